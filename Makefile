@@ -1,0 +1,39 @@
+# make demo   - 4-rank CPU training under ft_launcher with an injected crash and hang
+# make test   - the test suite (real processes, gloo on CPU)
+# make bench  - benchmarks against torchrun and nvidia-resiliency-ext 0.4.1
+PYTHON ?= python3
+VENV := .venv
+PEER_VENV := .venv-peer
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: venv demo test bench peer clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q $(TORCH_PIN)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(VENV)/bin/nvrx demo
+
+test: venv
+	$(VENV)/bin/python -m pytest -q tests
+
+# nvidia-resiliency-ext installs its own `ft_launcher`, so it lives in a venv of its own.
+peer: $(PEER_VENV)/.installed
+
+$(PEER_VENV)/.installed:
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -c "import torch" 2>/dev/null || $(PEER_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(PEER_VENV)/bin/pip install -q nvidia-resiliency-ext==0.4.1
+	touch $@
+
+bench: venv peer
+	set -e; for f in bench/[a-z]*.py; do echo "== $$f"; $(VENV)/bin/python $$f --peer-python $(PEER_VENV)/bin/python; done
+
+clean:
+	rm -rf $(VENV) $(PEER_VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Checkpointing. Not built yet."""

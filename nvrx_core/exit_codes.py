@@ -1,0 +1,49 @@
+"""The one table of process exit codes used by every part of nvrx-suite.
+
+Schedulers and launchers read these, so each meaning has exactly one number and none of
+the "stop" codes is 0 (a scheduler reads 0 as "job finished, do not requeue").
+"""
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    SUCCESS = 0
+    """Training finished."""
+
+    FAILURE = 1
+    """Unrecoverable failure (a worker failed and no restart is left or allowed)."""
+
+    CONFIG_ERROR = 2
+    """Bad configuration or command line; nothing was started."""
+
+    RERUN_RESUME_ELSEWHERE = 16
+    """Rerun state machine: result reproduced on this device; checkpointed, resume on another."""
+
+    RERUN_VALIDATION_FAILED = 17
+    """Rerun state machine: a fatal validation failure (transient error with fatal=True)."""
+
+    PREEMPTED = 18
+    """The scheduler preempted the job; a checkpoint was saved: requeue me."""
+
+    STRAGGLER_STOP = 19
+    """A straggler was detected and stop_if_detected is on; a checkpoint was saved."""
+
+    NO_PROGRESS = 20
+    """The launcher gave up: N consecutive restart cycles made no training progress."""
+
+    RESTARTS_EXHAUSTED = 21
+    """Workers kept failing and --max-restarts restart cycles were used up."""
+
+    INPROCESS_GAVE_UP = 22
+    """In-process restart stopped: max_iterations or max_rank_faults was reached."""
+
+
+def describe(code: int) -> str:
+    """A human-readable name for an exit code, including codes not in the table."""
+    try:
+        return ExitCode(code).name
+    except ValueError:
+        if code < 0:
+            return f"killed by signal {-code}"
+        return f"exit code {code}"

@@ -1,0 +1,1 @@
+"""Fault tolerance: config, protocol, node monitor, rank client, launcher, simulated faults."""

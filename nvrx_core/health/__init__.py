@@ -1,0 +1,1 @@
+"""GPU / NVLink / CUDA / node health checks. Not built yet."""

@@ -1,0 +1,1 @@
+"""In-process restart (issue: in-process restart and health checks). Not built yet."""

@@ -1,0 +1,1 @@
+"""Rerun state machine. Not built yet."""

@@ -1,0 +1,1 @@
+"""Straggler detection. Not built yet."""
