@@ -54,3 +54,27 @@ def atomic_write_with(path: str, writer: Callable[[BinaryIO], None], mode: int =
     """Atomically create `path` from whatever `writer(file)` writes (e.g. torch.save)."""
     with atomic_file(path, mode) as f:
         writer(f)
+
+
+def fsync_file(path: str) -> None:
+    """Flush a file written by other means (e.g. several writer threads) to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_directory(tmp_dir: str, final_dir: str) -> None:
+    """Atomically publish a fully written directory under its final name.
+
+    The directory's entries are made durable first, then it is renamed, then the parent
+    is fsynced so the rename survives power loss. `final_dir` must not exist: a rename
+    over an existing non-empty directory is not atomic, so the caller decides what to do
+    with an older one. The files inside must already be fsynced.
+    """
+    if os.path.lexists(final_dir):
+        raise FileExistsError(f"cannot commit {tmp_dir!r}: {final_dir!r} already exists")
+    fsync_dir(tmp_dir)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(os.path.dirname(os.path.abspath(final_dir)))

@@ -1,1 +1,23 @@
-"""Checkpointing. Not built yet."""
+"""Checkpointing that does not stall training.
+
+- AsyncCheckpointer: saves block only for the copy to host memory; files are written by
+  a persistent background worker, committed atomically with a verified manifest.
+- LocalCheckpointManager: fast node-local checkpoints, replicated to peer ranks on other
+  nodes, loaded with automatic fallback local -> replica -> persistent checkpoint.
+
+See docs/checkpoint.md.
+"""
+
+from nvrx_core.checkpoint.async_checkpointer import (CHECKPOINT_ABORTED, CHECKPOINT_FAILED,
+                                                     CHECKPOINT_SKIPPED, AsyncCheckpointer)
+from nvrx_core.checkpoint.config import CheckpointConfig, LocalCheckpointConfig
+from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
+                                         CheckpointNotFoundError, CheckpointSaveError)
+from nvrx_core.checkpoint.layout import CheckpointStore, read_manifest, verify_checkpoint
+
+__all__ = [
+    "AsyncCheckpointer", "CheckpointConfig", "LocalCheckpointConfig",
+    "CheckpointError", "CheckpointCorruptError", "CheckpointNotFoundError", "CheckpointSaveError",
+    "CheckpointStore", "read_manifest", "verify_checkpoint",
+    "CHECKPOINT_ABORTED", "CHECKPOINT_FAILED", "CHECKPOINT_SKIPPED",
+]

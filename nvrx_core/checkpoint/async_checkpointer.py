@@ -1,0 +1,281 @@
+"""AsyncCheckpointer: saves that block training only for the copy to host memory.
+
+    ckpt = AsyncCheckpointer("/lustre/run1/ckpt", CheckpointConfig(keep_last=3))
+    for step in ...:
+        train_step()
+        if step % 100 == 0:
+            ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
+        ckpt.finalize()          # commits saves whose writes finished; raises their errors
+    ckpt.close()                 # waits for and commits what is still in flight
+
+Every rank calls save/finalize/abort/close in the same order (they are collective when
+torch.distributed is initialized). Each rank writes its own shard into a shared partial
+directory; finalize agrees across ranks that every shard of a generation is written, then
+rank 0 merges the per-rank file lists into the manifest and commits by rename.
+"""
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from typing import Any, Callable, List, Optional, Tuple
+
+from nvrx_core import durable
+from nvrx_core.checkpoint import collectives
+from nvrx_core.checkpoint.config import CheckpointConfig
+from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
+                                         CheckpointNotFoundError, CheckpointSaveError)
+from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, fragment_name,
+                                         partial_dir_name, read_manifest, write_manifest)
+from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline, remove_rank_files
+from nvrx_core.checkpoint.shards import read_shard, shard_files
+from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
+
+logger = logging.getLogger("nvrx.checkpoint")
+
+CHECKPOINT_FAILED = "checkpoint_failed"
+CHECKPOINT_ABORTED = "checkpoint_aborted"
+CHECKPOINT_SKIPPED = "checkpoint_skipped"
+
+_USE_DEFAULT_GROUP = object()
+
+
+class AsyncCheckpointer:
+    """Asynchronous, atomic, verified checkpoints of every rank's state under one root."""
+
+    def __init__(self, root_dir: str, config: Optional[CheckpointConfig] = None, *,
+                 process_group: Any = _USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config or CheckpointConfig()
+        self.store = CheckpointStore(root_dir)
+        self._group = (collectives.default_group() if process_group is _USE_DEFAULT_GROUP
+                       else process_group)
+        self.rank, self.world_size = collectives.group_rank_size(self._group)
+        self._events = events if events is not None else EventLog.from_env("checkpoint")
+        self._pipeline = SavePipeline(self.config, self.rank, clock)
+        # One id per incarnation of the job, agreed by all ranks, names this run's partial
+        # directories so a crashed run's leftovers can never be mixed into this run's saves.
+        self.run_id = collectives.all_reduce_max(
+            [random.SystemRandom().getrandbits(63) if self.rank == 0 else 0], self._group)[0]
+        if self.rank == 0:
+            os.makedirs(self.store.root_dir, exist_ok=True)
+            removed = self.store.remove_leftovers(self.run_id)
+            if removed:
+                logger.info("removed leftovers of interrupted saves: %s", removed)
+
+    @property
+    def pending_steps(self) -> List[int]:
+        return [p.step for p in sorted(self._pipeline.pending.values(), key=lambda p: p.generation)]
+
+    @property
+    def stale_completions(self) -> int:
+        """Completions dropped because their generation was no longer pending."""
+        return self._pipeline.stale_completions
+
+    def save(self, state_dict: Any, step: int) -> int:
+        """Snapshot `state_dict` to host memory and write it in the background.
+
+        Returns the save's generation id. Finished earlier saves are committed first; if
+        max_pending_saves are already in flight, this waits for the oldest to commit.
+        """
+        over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
+        self._finalize(block_first=max(0, over))
+        pending = self._pipeline.start(
+            state_dict, step,
+            lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self.run_id, gen)),
+            self._write_fragment)
+        logger.debug("save of step %d staged %d bytes in %.3f s", step, pending.staged_bytes,
+                     pending.blocking_seconds)
+        return pending.generation
+
+    def finalize(self, blocking: bool = False) -> List[int]:
+        """Commit every save whose writes finished on all ranks; returns the committed steps.
+
+        With blocking=True, waits for every pending save. A failed save raises
+        CheckpointSaveError here, in the training thread (or is logged and reported as a
+        `checkpoint_failed` event when fail_on_save_error is False).
+        """
+        return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
+
+    def abort(self, timeout: Optional[float] = None) -> List[int]:
+        """Stop every save in flight and delete its partial output; returns their steps.
+
+        Call it on every rank. Committed checkpoints are untouched.
+        """
+        aborted = self._pipeline.abort_all(timeout)
+        for pending in aborted:
+            self._discard(pending)
+            self._events.emit(CHECKPOINT_ABORTED, step=pending.step, generation=pending.generation)
+        return [p.step for p in aborted]
+
+    def close(self) -> None:
+        """Wait for and commit the saves in flight, then stop the background threads."""
+        try:
+            self.finalize(blocking=True)
+        finally:
+            self._pipeline.close()
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+            self._pipeline.close()
+        else:
+            self.close()
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step on disk (not yet verified; load_latest verifies)."""
+        steps = self.store.steps()
+        return steps[-1] if steps else None
+
+    def load(self, step: int, *, weights_only: bool = True) -> Any:
+        """This rank's state of checkpoint `step`, every byte verified against the manifest."""
+        manifest = read_manifest(self.store.path(step))
+        if manifest.world_size != self.world_size:
+            raise CheckpointError(
+                f"{self.store.path(step)} was saved by {manifest.world_size} ranks, this job has "
+                f"{self.world_size}; resharding is not supported")
+        if self.rank not in manifest.ranks:
+            raise CheckpointCorruptError(f"{self.store.path(step)}: no files for rank {self.rank}")
+        entries = {n: manifest.files[n] for n in manifest.ranks[self.rank]}
+        return read_shard(self.store.path(step), self.rank, entries, manifest.checksum_algo,
+                          weights_only=weights_only)
+
+    def load_latest(self, *, weights_only: bool = True) -> Tuple[int, Any]:
+        """The newest checkpoint that every rank can load intact, as (step, this rank's state).
+
+        A corrupt or partial checkpoint is reported (log + `checkpoint_skipped` event) and
+        the previous one is tried. Raises CheckpointNotFoundError when none is left.
+        """
+        steps = collectives.all_gather_json(self.store.steps(), self._group)[0]
+        for step in reversed(steps):
+            state, corrupt, fatal = None, None, None
+            try:
+                state = self.load(step, weights_only=weights_only)
+            except CheckpointCorruptError as e:
+                corrupt = e
+            except CheckpointError as e:
+                fatal = e
+            any_bad, any_fatal = collectives.all_reduce_max(
+                [int(state is None), int(fatal is not None)], self._group)
+            if any_fatal:
+                raise fatal or CheckpointError(f"another rank cannot load step {step}; see its log")
+            if not any_bad:
+                return step, state
+            reason = str(corrupt) if corrupt else "corrupt on another rank"
+            logger.warning("skipping checkpoint step %d: %s", step, reason)
+            self._events.emit(CHECKPOINT_SKIPPED, step=step, reason=reason)
+        raise CheckpointNotFoundError(f"no loadable checkpoint under {self.store.root_dir}")
+
+    # ---- commit protocol -------------------------------------------------------------------
+
+    def _finalize(self, block_first: int) -> List[int]:
+        committed: List[int] = []
+        while self._pipeline.pending:
+            pending = self._pipeline.oldest()
+            self._pipeline.poll()
+            if block_first > 0 and pending.result is None:
+                self._pipeline.wait(pending)
+            block_first -= 1
+            done = pending.result is not None
+            failed = done and not pending.result.ok
+            gen_max, neg_gen_min, any_running, any_failed = collectives.all_reduce_max(
+                [pending.generation, -pending.generation, int(not done), int(failed)], self._group)
+            if gen_max != -neg_gen_min:
+                raise CheckpointError(
+                    f"ranks disagree on the pending checkpoint generation ({-neg_gen_min} .. "
+                    f"{gen_max}): every rank must call save/finalize/abort in the same order")
+            if any_running:
+                break
+            if any_failed:
+                self._fail(pending, pending.result.error if failed else None)
+                continue
+            commit_error = self._commit(pending) if self.rank == 0 else None
+            if collectives.all_reduce_max([int(commit_error is not None)], self._group)[0]:
+                self._fail(pending, commit_error)
+                continue
+            self._pipeline.forget(pending)
+            committed.append(pending.step)
+        return committed
+
+    def _write_fragment(self, pending: PendingSave, entries: List[FileEntry]) -> None:
+        """Worker side: this rank's written files, for rank 0 to merge into the manifest."""
+        durable.atomic_write_json(os.path.join(pending.directory, fragment_name(self.rank)), {
+            "rank": self.rank, "step": pending.step, "generation": pending.generation,
+            "run_id": f"{self.run_id:016x}", "files": {e.name: e.to_json() for e in entries}})
+
+    def _commit(self, pending: PendingSave) -> Optional[BaseException]:
+        """Rank 0: merge fragments into the manifest, publish the directory, apply retention."""
+        try:
+            files, ranks = {}, {}
+            for rank in range(self.world_size):
+                fragment = self._read_fragment(pending, rank)
+                for name, entry in fragment["files"].items():
+                    files[name] = FileEntry(name, int(entry["size"]), entry["checksum"])
+                ranks[rank] = shard_files(rank, list(fragment["files"]))
+            for rank in range(self.world_size):
+                os.unlink(os.path.join(pending.directory, fragment_name(rank)))
+            write_manifest(pending.directory, Manifest(
+                step=pending.step, world_size=self.world_size, generation=pending.generation,
+                run_id=self.run_id, checksum_algo=self.config.checksum, ranks=ranks, files=files))
+            path = self.store.commit(pending.directory, pending.step)
+        except Exception as e:  # handed to _fail on every rank after the status collective
+            logger.error("commit of step %d failed: %r", pending.step, e)
+            return e
+        deleted = self._housekeeping(pending)
+        result = pending.result
+        self._events.emit(CHECKPOINT_COMMITTED, step=pending.step, path=path,
+                          generation=pending.generation, bytes=pending.staged_bytes,
+                          blocking_s=round(pending.blocking_seconds, 4),
+                          write_s=round(result.seconds, 3), deleted_steps=deleted)
+        logger.info("committed checkpoint step %d (%s)", pending.step, path)
+        return None
+
+    def _housekeeping(self, pending: PendingSave) -> List[int]:
+        """Retention and leftovers: a failure here does not undo the commit, it is logged."""
+        try:
+            deleted = self.store.apply_retention(self.config.keep_last)
+            self.store.remove_leftovers(self.run_id, keep_from_generation=pending.generation)
+            return deleted
+        except OSError as e:
+            logger.error("checkpoint retention under %s failed: %r", self.store.root_dir, e)
+            return []
+
+    def _read_fragment(self, pending: PendingSave, rank: int) -> dict:
+        path = os.path.join(pending.directory, fragment_name(rank))
+        try:
+            with open(path, "rb") as f:
+                fragment = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: rank {rank}'s file list is unreadable ({e})") from None
+        expected = (pending.generation, f"{self.run_id:016x}", pending.step)
+        found = (fragment.get("generation"), fragment.get("run_id"), fragment.get("step"))
+        if found != expected:
+            raise CheckpointError(f"{path}: belongs to save (generation, run, step)={found}, "
+                                  f"expected {expected}; refusing to mix saves")
+        return fragment
+
+    def _fail(self, pending: PendingSave, error: Optional[BaseException]) -> None:
+        self._pipeline.forget(pending)
+        self._discard(pending, every_rank_done=True)
+        cause = repr(error) if error is not None else "failed on another rank; see its log"
+        message = f"checkpoint save of step {pending.step} failed: {cause}"
+        self._events.emit(CHECKPOINT_FAILED, step=pending.step, generation=pending.generation,
+                          error=cause)
+        if self.config.fail_on_save_error:
+            raise CheckpointSaveError(message) from error
+        logger.error("%s (fail_on_save_error=False: training continues; the previous "
+                     "checkpoint stays the latest)", message)
+
+    def _discard(self, pending: PendingSave, every_rank_done: bool = False) -> None:
+        """Delete a save's partial output: this rank's files, and the whole directory when
+        no other rank can still be writing into it."""
+        remove_rank_files(pending.directory, self.rank)
+        if self.world_size == 1 or (every_rank_done and self.rank == 0):
+            shutil.rmtree(pending.directory, ignore_errors=True)

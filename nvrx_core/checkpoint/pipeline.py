@@ -1,0 +1,226 @@
+"""The save pipeline shared by the persistent and the node-local checkpointers.
+
+The training thread stages a state dict into host buffers and hands it to one persistent
+background thread (created on the first save, reused by every later one), which writes
+it with a pool of writer threads. Each save carries a generation id; a completion whose
+generation is no longer pending (aborted, or from an earlier incarnation of a retried
+save) is stale and is dropped: it can never be taken for the completion of a newer save.
+
+Threads, not a forked process: the staged buffers are shared with the writers without a
+copy, and nothing is forked from a process that holds CUDA contexts and NCCL threads.
+"""
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from nvrx_core.checkpoint.config import CheckpointConfig
+from nvrx_core.checkpoint.errors import CheckpointError
+from nvrx_core.checkpoint.layout import FileEntry, rank_prefix
+from nvrx_core.checkpoint.shards import SaveAborted, write_shard
+from nvrx_core.checkpoint.staging import HostStager, StagedState
+
+logger = logging.getLogger("nvrx.checkpoint")
+
+FinishHook = Callable[["PendingSave", List[FileEntry]], Any]
+"""Runs on the worker after a save's files are written (e.g. fragment, replication);
+it must honour pending.cancel where it can and may return extra data for the commit."""
+
+
+@dataclasses.dataclass
+class PendingSave:
+    generation: int
+    step: int
+    directory: str
+    rank: int
+    cancel: threading.Event
+    staged_bytes: int
+    blocking_seconds: float
+    started: float
+    finish: Optional[FinishHook] = None
+    result: Optional["SaveResult"] = None
+
+
+@dataclasses.dataclass
+class SaveResult:
+    generation: int
+    entries: List[FileEntry]
+    extra: Any
+    error: Optional[BaseException]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class SavePipeline:
+    """Staging + one persistent worker thread + writer threads, with generation bookkeeping.
+
+    Not thread-safe for callers: save/poll/abort belong to the training thread.
+    """
+
+    def __init__(self, config: CheckpointConfig, rank: int, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.rank = rank
+        self._clock = clock
+        self._stager = HostStager(pin_memory=config.pin_memory, max_sets=config.max_pending_saves)
+        self._requests: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._results: "queue.Queue[SaveResult]" = queue.Queue()
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._thread: Optional[threading.Thread] = None
+        self._next_generation = 1
+        self.pending: Dict[int, PendingSave] = {}
+        self.stale_completions = 0
+
+    # ---- training-thread side -------------------------------------------------------------
+
+    def start(self, state: Any, step: int, directory_for: Callable[[int], str],
+              finish: Optional[FinishHook] = None) -> PendingSave:
+        """Stage `state` (the blocking part of a save) and queue it for writing into
+        `directory_for(generation)`."""
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step={step!r}: must be an integer >= 0")
+        began = self._clock()
+        staged = self._stager.stage(state)
+        pending = PendingSave(
+            generation=self._next_generation, step=step,
+            directory=directory_for(self._next_generation), rank=self.rank,
+            cancel=threading.Event(), staged_bytes=staged.nbytes,
+            blocking_seconds=self._clock() - began, started=began, finish=finish)
+        self._next_generation += 1
+        self.pending[pending.generation] = pending
+        self._ensure_worker()
+        self._requests.put((pending, staged))
+        return pending
+
+    def oldest(self) -> Optional[PendingSave]:
+        return self.pending[min(self.pending)] if self.pending else None
+
+    def poll(self) -> None:
+        """Attach every completion that has arrived to its pending save; drop stale ones."""
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._attach(result)
+
+    def wait(self, pending: PendingSave, timeout: Optional[float] = None) -> bool:
+        """Block until `pending` has a result; False if the timeout ran out first."""
+        deadline = None if timeout is None else self._clock() + timeout
+        while pending.result is None:
+            remaining = None if deadline is None else max(0.0, deadline - self._clock())
+            if remaining == 0.0:
+                return False
+            try:
+                self._attach(self._results.get(timeout=remaining))
+            except queue.Empty:
+                return False
+        return True
+
+    def forget(self, pending: PendingSave) -> None:
+        """The save is finished with (committed or discarded); a late completion is stale."""
+        self.pending.pop(pending.generation, None)
+
+    def abort_all(self, timeout: Optional[float] = None) -> List[PendingSave]:
+        """Cancel every pending save and wait (up to `timeout` s in all) for the worker to
+        let go of each. A save that does not stop in time is disowned: it is no longer
+        pending, so its completion will be dropped as stale, and the worker deletes its
+        files when it notices the cancellation."""
+        aborted = sorted(self.pending.values(), key=lambda p: p.generation)
+        for pending in aborted:
+            pending.cancel.set()
+        deadline = None if timeout is None else self._clock() + timeout
+        for pending in aborted:
+            remaining = None if deadline is None else max(0.0, deadline - self._clock())
+            if not self.wait(pending, remaining):
+                logger.warning("abort: the save of step %d (generation %d) is still stopping; "
+                               "it was disowned", pending.step, pending.generation)
+            self.forget(pending)
+        return aborted
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _attach(self, result: SaveResult) -> None:
+        pending = self.pending.get(result.generation)
+        if pending is None:
+            self.stale_completions += 1
+            logger.warning("dropped a stale save completion (generation %d is no longer pending)",
+                           result.generation)
+            return
+        pending.result = result
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.config.writer_threads, thread_name_prefix="nvrx-ckpt-writer")
+            self._thread = threading.Thread(target=self._worker_loop, name="nvrx-ckpt-worker",
+                                            daemon=True)
+            self._thread.start()
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def _worker_loop(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            pending, staged = item
+            self._results.put(self._write(pending, staged))
+
+    def _write(self, pending: PendingSave, staged: StagedState) -> SaveResult:
+        began = self._clock()
+        entries: List[FileEntry] = []
+        extra = error = None
+        try:
+            try:
+                if pending.cancel.is_set():
+                    raise SaveAborted(f"save of step {pending.step} aborted before it started")
+                os.makedirs(pending.directory, exist_ok=True)
+                entries = write_shard(staged, pending.directory, pending.rank, self._pool,
+                                      self.config.writer_threads, self.config.checksum,
+                                      self.config.chunk_bytes, pending.cancel)
+            finally:
+                self._stager.release(staged)
+            if pending.finish is not None:
+                extra = pending.finish(pending, entries)
+            if pending.cancel.is_set():
+                raise SaveAborted(f"save of step {pending.step} aborted after it was written")
+        except BaseException as e:  # reported to the training thread, never swallowed
+            error = e
+            if not isinstance(e, SaveAborted):
+                logger.error("background save of step %d failed: %r", pending.step, e)
+            remove_rank_files(pending.directory, pending.rank)
+        return SaveResult(pending.generation, entries, extra, error, self._clock() - began)
+
+
+def remove_rank_files(directory: str, rank: int) -> None:
+    """Delete one rank's files from a partial directory, and the directory once empty."""
+    prefix = rank_prefix(rank) + "."
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass  # other ranks' files are still there (they remove their own), or already gone

@@ -1,0 +1,160 @@
+"""Staging: snapshot a state dict into host memory so training can go on while it is written.
+
+The copy to host memory is the only part of a save the training loop has to wait for, so
+the buffers it copies into are kept and reused by the next save of the same shapes:
+allocating (and page-faulting) a fresh gigabyte costs far more than copying into a warm
+one, and for CUDA tensors only page-locked buffers copy at full PCIe/NVLink speed.
+"""
+
+import copy
+import dataclasses
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from nvrx_core.checkpoint.errors import CheckpointError
+
+Signature = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
+
+
+@dataclasses.dataclass
+class StagedState:
+    """A host-memory snapshot of one state dict, ready to be written by background threads.
+
+    `skeleton` is the state dict with every tensor replaced by a one-element int64 tensor
+    holding its index in `tensors`; it is what gets pickled, the tensor bytes are written raw.
+    """
+
+    skeleton: Any
+    tensors: List[torch.Tensor]
+    devices: List[str]
+    buffers: Optional["BufferSet"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+@dataclasses.dataclass
+class BufferSet:
+    signature: Signature
+    pinned: bool
+    tensors: List[torch.Tensor]
+
+
+def _path_str(path: Tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def flatten(state: Any) -> Tuple[Any, List[torch.Tensor]]:
+    """Split a nested state into a tensor-free skeleton and its tensors (deduplicated).
+
+    Containers (dict, list, tuple, namedtuple) are rebuilt, so later mutation of the
+    caller's containers cannot reach the snapshot; other leaves are deep-copied.
+    """
+    tensors: List[torch.Tensor] = []
+    seen: Dict[int, int] = {}
+
+    def visit(node: Any, path: Tuple[Any, ...]) -> Any:
+        if isinstance(node, torch.Tensor):
+            if node.layout != torch.strided or node.is_quantized or node.is_meta:
+                raise CheckpointError(
+                    f"tensor at {_path_str(path)} is not a dense tensor with data "
+                    f"(layout={node.layout}, quantized={node.is_quantized}, meta={node.is_meta});"
+                    " convert it before saving")
+            index = seen.get(id(node))
+            if index is None:
+                index = seen[id(node)] = len(tensors)
+                tensors.append(node)
+            return torch.tensor([index], dtype=torch.int64)
+        if isinstance(node, dict):
+            rebuilt = {k: visit(v, path + (k,)) for k, v in node.items()}
+            return rebuilt if type(node) is dict else _rebuild_mapping(node, rebuilt)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(visit(v, path + (f,)) for f, v in zip(node._fields, node)))
+        if isinstance(node, (list, tuple)):
+            return type(node)(visit(v, path + (i,)) for i, v in enumerate(node))
+        return copy.deepcopy(node)
+
+    return visit(state, ()), tensors
+
+
+def _rebuild_mapping(original: dict, items: dict) -> dict:
+    try:
+        rebuilt = type(original)()
+    except TypeError:
+        return items
+    rebuilt.update(items)
+    return rebuilt
+
+
+def unflatten(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
+    """Inverse of flatten: put the loaded tensors back where their placeholders are."""
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return tensors[int(node.item())]
+        if isinstance(node, dict):
+            rebuilt = {k: visit(v) for k, v in node.items()}
+            return rebuilt if type(node) is dict else _rebuild_mapping(node, rebuilt)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(visit(v) for v in node))
+        if isinstance(node, (list, tuple)):
+            return type(node)(visit(v) for v in node)
+        return node
+
+    return visit(skeleton)
+
+
+class HostStager:
+    """Copies tensors into reusable host buffers; thread-safe acquire/release of buffer sets.
+
+    One buffer set is held by each save from staging until its files are written; the
+    checkpointer bounds how many saves are in flight, so at most that many sets exist.
+    """
+
+    def __init__(self, pin_memory: bool = True, max_sets: int = 1):
+        self._pin_memory = pin_memory
+        self._max_sets = max_sets
+        self._free: List[BufferSet] = []
+        self._lock = threading.Lock()
+
+    def stage(self, state: Any) -> StagedState:
+        skeleton, sources = flatten(state)
+        with torch.no_grad():
+            sources = [t.detach() for t in sources]
+            on_cuda = any(t.is_cuda for t in sources)
+            pinned = self._pin_memory and on_cuda
+            signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
+            buffers = self._acquire(signature, pinned)
+            for dst, src in zip(buffers.tensors, sources):
+                dst.copy_(src, non_blocking=pinned and src.is_cuda)
+            if on_cuda:
+                _wait_for_copies(sources)
+        return StagedState(skeleton, buffers.tensors, [str(t.device) for t in sources], buffers)
+
+    def release(self, staged: StagedState) -> None:
+        """Return a finished save's buffers for reuse by the next save."""
+        buffers, staged.buffers = staged.buffers, None
+        if buffers is None:
+            return
+        with self._lock:
+            if len(self._free) < self._max_sets:
+                self._free.append(buffers)
+
+    def _acquire(self, signature: Signature, pinned: bool) -> BufferSet:
+        with self._lock:
+            for i, candidate in enumerate(self._free):
+                if candidate.signature == signature and candidate.pinned == pinned:
+                    return self._free.pop(i)
+            # A different layout (model changed): buffers of the old one will not be reused.
+            self._free = [b for b in self._free if b.signature == signature]
+        tensors = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for shape, dtype in signature]
+        return BufferSet(signature, pinned, tensors)
+
+
+def _wait_for_copies(sources: List[torch.Tensor]) -> None:
+    """Block until the non-blocking device-to-host copies have landed (CUDA path only)."""
+    for device in {t.device for t in sources if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
