@@ -34,6 +34,8 @@ HEALTH_CHECK = "health_check"
 TIMEOUTS_UPDATED = "timeouts_updated"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 STRAGGLER_FOUND = "straggler_found"
+STEP_DONE = "step_done"
+FAULT_INJECTED = "fault_injected"
 
 
 def _env_int(name: str) -> Optional[int]:

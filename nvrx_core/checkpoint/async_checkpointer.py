@@ -204,8 +204,10 @@ class AsyncCheckpointer:
             committed.append(pending.step)
         return committed
 
-    def _write_fragment(self, pending: PendingSave, entries: List[FileEntry]) -> None:
+    def _write_fragment(self, pending: PendingSave, entries: Optional[List[FileEntry]]) -> None:
         """Worker side: this rank's written files, for rank 0 to merge into the manifest."""
+        if entries is None:
+            return
         durable.atomic_write_json(os.path.join(pending.directory, fragment_name(self.rank)), {
             "rank": self.rank, "step": pending.step, "generation": pending.generation,
             "run_id": f"{self.run_id:016x}", "files": {e.name: e.to_json() for e in entries}})

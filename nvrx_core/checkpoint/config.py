@@ -80,6 +80,10 @@ class LocalCheckpointConfig:
     keep_last: int = 2
     """Local checkpoints (and replicas) kept per rank."""
 
+    replication_timeout_s: float = 600.0
+    """How long a shard exchange with peer ranks may take before the save fails (a dead
+    peer would otherwise block the background worker forever)."""
+
     writer_threads: int = 2
     checksum: str = "crc32"
 
@@ -97,6 +101,8 @@ class LocalCheckpointConfig:
               "writer_threads", self.writer_threads, "must be an integer in [1, 64]")
         check(self.checksum in CHECKSUMS, "checksum", self.checksum,
               f"must be one of {', '.join(CHECKSUMS)}")
+        check(isinstance(self.replication_timeout_s, (int, float)) and self.replication_timeout_s > 0,
+              "replication_timeout_s", self.replication_timeout_s, "must be a number > 0")
 
     @classmethod
     def from_sources(cls, yaml_path: Optional[str] = None,

@@ -27,9 +27,10 @@ from nvrx_core.checkpoint.staging import HostStager, StagedState
 
 logger = logging.getLogger("nvrx.checkpoint")
 
-FinishHook = Callable[["PendingSave", List[FileEntry]], Any]
-"""Runs on the worker after a save's files are written (e.g. fragment, replication);
-it must honour pending.cancel where it can and may return extra data for the commit."""
+FinishHook = Callable[["PendingSave", Optional[List[FileEntry]]], Any]
+"""Runs on the worker after a save's files are written (e.g. fragment, replication), with
+None instead of the entries when writing failed or was aborted; what it returns is handed
+to the commit as SaveResult.extra."""
 
 
 @dataclasses.dataclass
@@ -183,28 +184,33 @@ class SavePipeline:
 
     def _write(self, pending: PendingSave, staged: StagedState) -> SaveResult:
         began = self._clock()
-        entries: List[FileEntry] = []
+        entries: Optional[List[FileEntry]] = None
         extra = error = None
         try:
-            try:
-                if pending.cancel.is_set():
-                    raise SaveAborted(f"save of step {pending.step} aborted before it started")
-                os.makedirs(pending.directory, exist_ok=True)
-                entries = write_shard(staged, pending.directory, pending.rank, self._pool,
-                                      self.config.writer_threads, self.config.checksum,
-                                      self.config.chunk_bytes, pending.cancel)
-            finally:
-                self._stager.release(staged)
-            if pending.finish is not None:
-                extra = pending.finish(pending, entries)
             if pending.cancel.is_set():
-                raise SaveAborted(f"save of step {pending.step} aborted after it was written")
+                raise SaveAborted(f"save of step {pending.step} aborted before it started")
+            os.makedirs(pending.directory, exist_ok=True)
+            entries = write_shard(staged, pending.directory, pending.rank, self._pool,
+                                  self.config.writer_threads, self.config.checksum,
+                                  self.config.chunk_bytes, pending.cancel)
         except BaseException as e:  # reported to the training thread, never swallowed
             error = e
-            if not isinstance(e, SaveAborted):
-                logger.error("background save of step %d failed: %r", pending.step, e)
+        finally:
+            self._stager.release(staged)
+        if pending.finish is not None:
+            # Runs even when writing failed (entries=None): a hook that talks to peer ranks
+            # must still take part in every generation's exchange.
+            try:
+                extra = pending.finish(pending, entries if error is None else None)
+            except BaseException as e:
+                error = error or e
+        if error is None and pending.cancel.is_set():
+            error = SaveAborted(f"save of step {pending.step} aborted after it was written")
+        if error is not None:
+            if not isinstance(error, SaveAborted):
+                logger.error("background save of step %d failed: %r", pending.step, error)
             remove_rank_files(pending.directory, pending.rank)
-        return SaveResult(pending.generation, entries, extra, error, self._clock() - began)
+        return SaveResult(pending.generation, entries or [], extra, error, self._clock() - began)
 
 
 def remove_rank_files(directory: str, rank: int) -> None:

@@ -28,8 +28,11 @@ class SaveAborted(CheckpointError):
     """The save was aborted while its files were being written."""
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory, without copying."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got {tensor.device} "
+                         f"contiguous={tensor.is_contiguous()}")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
@@ -109,7 +112,7 @@ def _write_data_file(path: str, tensors: List[torch.Tensor], checksum_algo: str,
     size = 0
     with open(path, "xb", buffering=0) as f:
         for tensor in tensors:
-            view = _byte_view(tensor)
+            view = byte_view(tensor)
             for start in range(0, len(view), chunk_bytes):
                 if cancel.is_set():
                     raise SaveAborted(f"save aborted while writing {path}")
@@ -191,7 +194,7 @@ def _read_data_file(path: str, entry: FileEntry, placed: List[Tuple[int, torch.T
             for offset, tensor in sorted(placed, key=lambda p: p[0]):
                 if offset != size:
                     raise CheckpointCorruptError(f"{path}: tensor table has a gap at {offset}")
-                view = _byte_view(tensor)
+                view = byte_view(tensor)
                 for start in range(0, len(view), chunk_bytes):
                     chunk = view[start:start + chunk_bytes]
                     got = f.readinto(chunk)

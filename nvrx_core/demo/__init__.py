@@ -1,0 +1,1 @@
+"""The demo job and `nvrx demo` runner."""

@@ -1,0 +1,195 @@
+"""FaultTolerantAgent: torch.distributed.elastic's local agent plus what fault tolerance needs.
+
+torch's agent already owns the restart loop, rendezvous and process management; this
+subclass only hooks into its extension points:
+- before each (re)start: health checks, and a new cycle announced to the node monitor;
+- per attempt: a fresh, empty TCPStore for the workers (hosted by the agent of group rank
+  0 on a new port), so restarted workers can never read the previous attempt's keys
+  (pytorch#135712: torch reuses the rendezvous store, and restarted workers picked up stale
+  process-group keys about half the time);
+- on failure: events, a record of which ranks died how, terminal exit codes that must not
+  be retried (preempted, straggler stop, rerun verdicts), and a limit on restart cycles
+  that made no progress;
+- stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
+"""
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from nvrx_core import events as ev
+from nvrx_core.exit_codes import ExitCode
+from nvrx_core.ft.monitor_handle import MonitorHandle
+
+logger = logging.getLogger("nvrx.ft.launcher")
+
+# Worker exit codes that ask for the job to stop, not to be restarted in place.
+TERMINAL_EXIT_CODES = frozenset({
+    ExitCode.RERUN_RESUME_ELSEWHERE, ExitCode.RERUN_VALIDATION_FAILED,
+    ExitCode.PREEMPTED, ExitCode.STRAGGLER_STOP,
+})
+
+HealthCheck = Callable[[], Tuple[bool, str]]
+
+
+class LauncherStop(Exception):
+    """The launcher must stop now with `exit_code` (no further restart)."""
+
+    def __init__(self, exit_code: int, reason: str):
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass
+class AgentSettings:
+    workers_stop_timeout: float = 15.0
+    max_no_progress_restarts: int = 3
+    health_checks: List[HealthCheck] = dataclasses.field(default_factory=list)
+
+
+class AgentStoreRendezvous(RendezvousHandler):
+    """Delegates to a torch rendezvous handler, but always lets workers use the agent's store.
+
+    The agent hosts each attempt's worker store (see FaultTolerantAgent._rendezvous); workers
+    must therefore connect as clients (TORCHELASTIC_USE_AGENT_STORE=True) whatever the
+    handler's own store sharing setting is.
+    """
+
+    def __init__(self, inner: RendezvousHandler):
+        self.inner = inner
+
+    def get_backend(self) -> str:
+        return self.inner.get_backend()
+
+    def next_rendezvous(self):
+        return self.inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        return self.inner.is_closed()
+
+    def set_closed(self):
+        return self.inner.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        return self.inner.num_nodes_waiting()
+
+    def get_run_id(self) -> str:
+        return self.inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        return self.inner.shutdown()
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+
+class FaultTolerantAgent(LocalElasticAgent):
+    def __init__(self, *args, settings: AgentSettings, monitor: MonitorHandle, events: ev.EventLog, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+        self.monitor = monitor
+        self.events = events
+        self.attempt = 0
+        self._attempt_store: Optional[TCPStore] = None
+        self._failure_reported = False
+        self._best_iteration: Optional[int] = None
+        self._no_progress_cycles = 0
+        self.last_failures: Dict[int, int] = {}
+
+    # ---- start -----------------------------------------------------------------
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        self._run_health_checks()
+        super()._initialize_workers(worker_group)
+
+    def _run_health_checks(self) -> None:
+        for check in self.settings.health_checks:
+            healthy, detail = check()
+            self.events.emit(ev.HEALTH_CHECK, cycle=self.attempt, check=getattr(check, "__name__", str(check)),
+                             healthy=healthy, detail=detail)
+            if not healthy:
+                raise LauncherStop(ExitCode.FAILURE, f"node health check failed: {detail}")
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        started = time.monotonic()
+        super()._rendezvous(worker_group)
+        self._serve_fresh_worker_store(worker_group)
+        self.events.emit(
+            ev.RENDEZVOUS_DONE, cycle=self.attempt, group_rank=worker_group.group_rank,
+            group_world_size=worker_group.group_world_size, seconds=round(time.monotonic() - started, 3),
+        )
+
+    def _serve_fresh_worker_store(self, worker_group: WorkerGroup) -> None:
+        """Give this attempt's workers an empty store, agreed through the rendezvous store."""
+        key = f"nvrx/worker_store/attempt_{self.attempt}"
+        store = worker_group.store
+        if worker_group.group_rank == 0:
+            self._attempt_store = None  # drop the previous attempt's server first
+            host = worker_group.master_addr
+            self._attempt_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            store.set(key, f"{host}:{self._attempt_store.port}")
+        address = store.get(key).decode()
+        host, _, port = address.rpartition(":")
+        worker_group.master_addr = host
+        worker_group.master_port = int(port)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> Dict[int, int]:
+        self.monitor.new_cycle(self.attempt)
+        self._failure_reported = False
+        pids = super()._start_workers(worker_group)
+        self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
+                         pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
+        return pids
+
+    # ---- monitor / restart -----------------------------------------------------
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._failure_reported:
+            self._failure_reported = True
+            self.last_failures = {rank: f.exitcode for rank, f in result.failures.items()}
+            self.events.emit(ev.WORKERS_FAILED, cycle=self.attempt,
+                             exit_codes={str(r): c for r, c in self.last_failures.items()})
+            terminal = sorted({c for c in self.last_failures.values() if c in TERMINAL_EXIT_CODES})
+            if terminal:
+                self._stop_workers(worker_group)
+                raise LauncherStop(terminal[0], f"a worker exited with {ExitCode(terminal[0]).name}; not restarting")
+        return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._check_progress()
+        self.attempt += 1
+        self.events.emit(ev.RESTART_BEGUN, cycle=self.attempt,
+                         remaining_restarts=self._remaining_restarts, failed_ranks=sorted(self.last_failures))
+        super()._restart_workers(worker_group)
+
+    def _check_progress(self) -> None:
+        """Count consecutive cycles that got no further than before; stop at the limit."""
+        limit = self.settings.max_no_progress_restarts
+        try:
+            stats = self.monitor.cycle_stats()
+        except OSError as e:
+            logger.warning("could not read progress from the node monitor: %s", e)
+            return
+        iteration = stats.get("max_iteration")
+        if self._best_iteration is not None or iteration is not None:
+            progressed = iteration is not None and (self._best_iteration is None or iteration > self._best_iteration)
+            if progressed:
+                self._best_iteration = iteration
+        else:
+            progressed = stats.get("heartbeats", 0) > 0 or stats.get("section_ends", 0) > 0
+        self._no_progress_cycles = 0 if progressed else self._no_progress_cycles + 1
+        if limit > 0 and self._no_progress_cycles >= limit:
+            raise LauncherStop(
+                ExitCode.NO_PROGRESS,
+                f"{self._no_progress_cycles} consecutive restart cycles made no progress "
+                f"(best iteration {self._best_iteration}); giving up instead of looping",
+            )
+
+    def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:
+        self._shutdown(timeout=self.settings.workers_stop_timeout)

@@ -1,0 +1,263 @@
+"""RankMonitorClient: the rank's side of hang detection.
+
+The hot-path calls (send_heartbeat, start_section, end_section) write one pre-encoded
+line to the node monitor's socket and never wait for an answer; a clock read feeds the
+interval observer used by calculate_and_set_timeouts(). Run outside ft_launcher the
+client says loudly that monitoring is inactive and turns every call into a no-op, so the
+same script still runs under torchrun or plain python (torchrun silently dropping fault
+tolerance is a trap this avoids).
+"""
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Callable, Dict, Iterator, Optional
+
+from nvrx_core.config import ConfigError
+from nvrx_core.durable import atomic_write_json
+from nvrx_core.ft.protocol import ProtocolError, decode, encode
+from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
+
+logger = logging.getLogger("nvrx.ft.client")
+
+MONITOR_SOCKET_ENV = "NVRX_FT_MONITOR_SOCKET"
+STATE_FILE_NAME = "ft_state.json"
+STATE_VERSION = 1
+
+_HEARTBEAT = encode("hb")
+_END_ALL = encode("sea")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class RankMonitorClient:
+    """Connects one rank to the node monitor started by ft_launcher."""
+
+    def __init__(self, socket_path: Optional[str] = None, clock: Callable[[], float] = time.monotonic):
+        self._path = socket_path if socket_path is not None else os.environ.get(MONITOR_SOCKET_ENV)
+        self._clock = clock
+        self._sock: Optional[socket.socket] = None
+        self._observer: Optional[IntervalObserver] = None
+        self._section_msgs: Dict[str, tuple] = {}
+        self._section_names: tuple = ()
+        self._safety_factor = 5.0
+        self.calculated = Timeouts()
+        """Timeouts learned by calculate_and_set_timeouts(), merged across cycles (saved in state)."""
+        self.effective_timeouts: Optional[Timeouts] = None
+        """What the monitor enforces for this rank, after the last update."""
+
+    @property
+    def is_active(self) -> bool:
+        return self._sock is not None
+
+    # ---- lifecycle -------------------------------------------------------------
+    def init_workload_monitoring(self, connect_timeout: float = 30.0) -> bool:
+        """Connect and register this rank; return False (and warn) when no monitor exists."""
+        if not self._path:
+            logger.warning(
+                "fault tolerance monitoring is INACTIVE: this process was not started by ft_launcher "
+                "(%s is not set), so hangs will not be detected. Launch with `ft_launcher ... train.py`.",
+                MONITOR_SOCKET_ENV,
+            )
+            return False
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(connect_timeout)
+        try:
+            sock.connect(self._path)
+        except OSError as e:
+            sock.close()
+            raise ConnectionError(f"cannot reach the ft_launcher node monitor at {self._path}: {e}") from None
+        self._sock = sock
+        self._send(encode(
+            "init",
+            rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), pid=os.getpid(),
+            cycle=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        ))
+        reply = self._read_reply(sock, connect_timeout)
+        if reply["t"] != "init_ok":
+            self.shutdown_workload_monitoring()
+            raise ConnectionError(f"node monitor refused this rank: {reply.get('reason')}")
+        sock.settimeout(None)
+        cfg = reply["config"]
+        self._safety_factor = float(cfg["safety_factor"])
+        self._section_names = tuple(sorted(cfg["rank_section_timeouts"]))
+        self.effective_timeouts = Timeouts.from_json(reply["timeouts"], source="monitor timeouts")
+        self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
+        self._observer.on_start(self._clock())
+        faulthandler.register(signal.Signals[cfg["stack_dump_signal"]], file=sys.stderr, all_threads=True)
+        if self.calculated != Timeouts():
+            self._push_timeouts()
+        return True
+
+    def shutdown_workload_monitoring(self) -> None:
+        """Tell the monitor this rank is leaving on purpose (no hang), then disconnect."""
+        if self._sock is None:
+            return
+        with contextlib.suppress(OSError):
+            self._sock.sendall(encode("bye"))
+        self._sock.close()
+        self._sock = None
+
+    # ---- hot path --------------------------------------------------------------
+    def send_heartbeat(self) -> None:
+        if self._sock is None:
+            return
+        self._observer.on_heartbeat(self._clock())
+        self._send(_HEARTBEAT)
+
+    def start_section(self, name: str) -> None:
+        if self._sock is None:
+            return
+        self._observer.on_section_start(name, self._clock())
+        self._send(self._section_msg(name)[0])
+
+    def end_section(self, name: str) -> None:
+        if self._sock is None:
+            return
+        self._observer.on_section_end(name, self._clock())
+        self._send(self._section_msg(name)[1])
+
+    def end_all_sections(self) -> None:
+        if self._sock is None:
+            return
+        now = self._clock()
+        for name in list(self._observer.open_sections):
+            self._observer.on_section_end(name, now)
+        self._send(_END_ALL)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.start_section(name)
+        try:
+            yield
+        finally:
+            self.end_section(name)
+
+    def report_progress(self, iteration: int) -> None:
+        """Tell the launcher how far training got (it gives up after cycles with no progress)."""
+        if self._sock is not None:
+            self._send(encode("progress", iteration=int(iteration)))
+
+    # ---- timeouts --------------------------------------------------------------
+    def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+        """Collective: timeouts = safety_factor x the longest interval seen on any rank.
+
+        Every rank must call it (it all-reduces). Values are merged with earlier calculated
+        ones (max), pushed to the monitor, and kept in state_dict(). Returns False when
+        skipped because some rank had not observed anything yet and skip_if_not_ready.
+        """
+        if self._sock is None:
+            return False
+        observed = self._observer.observed(self._section_names)
+        values = [observed.initial_heartbeat, observed.heartbeat, observed.out_of_section]
+        values += [observed.sections[n] for n in self._section_names]
+        ready = any(v is not None for v in values[1:])
+        reduced = _all_reduce_max([(-1.0 if v is None else v) for v in values] + [0.0 if ready else 1.0])
+        if skip_if_not_ready and reduced[-1] > 0:
+            return False
+        unpack = lambda v: v if v > 0 else None  # noqa: E731
+        maxima = Timeouts(
+            initial_heartbeat=unpack(reduced[0]),
+            heartbeat=unpack(reduced[1]),
+            out_of_section=unpack(reduced[2]),
+            sections={n: unpack(v) for n, v in zip(self._section_names, reduced[3:-1])},
+        )
+        self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor))
+        self._push_timeouts()
+        return True
+
+    def _push_timeouts(self) -> None:
+        self._send(encode("timeouts", timeouts=self.calculated.to_json()))
+        if self.effective_timeouts is not None:
+            self.effective_timeouts = self.effective_timeouts.overridden_by(self.calculated)
+
+    # ---- state -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "calculated_timeouts": self.calculated.to_json()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError(f"fault tolerance state: expected version {STATE_VERSION}, got {state!r:.200}")
+        self.calculated = Timeouts.from_json(state.get("calculated_timeouts", {}), "calculated_timeouts")
+        if self._sock is not None and self.calculated != Timeouts():
+            self._push_timeouts()
+
+    def save_state(self, directory: str) -> str:
+        """Write ft_state.json atomically into `directory` (e.g. next to the checkpoint)."""
+        path = os.path.join(directory, STATE_FILE_NAME)
+        atomic_write_json(path, self.state_dict())
+        return path
+
+    def load_state(self, directory: str) -> bool:
+        """Load ft_state.json from `directory` if present; a corrupt file raises ConfigError."""
+        path = os.path.join(directory, STATE_FILE_NAME)
+        try:
+            with open(path, "rb") as f:
+                state = json.load(f)
+        except FileNotFoundError:
+            return False
+        except ValueError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); delete it to start with configured timeouts") from None
+        try:
+            self.load_state_dict(state)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        return True
+
+    # ---- plumbing --------------------------------------------------------------
+    def _section_msg(self, name: str) -> tuple:
+        msgs = self._section_msgs.get(name)
+        if msgs is None:
+            if name not in self._section_names:
+                logger.warning("section %r has no timeout in rank_section_timeouts; it is not enforced", name)
+            msgs = self._section_msgs[name] = (encode("ss", name=name), encode("se", name=name))
+        return msgs
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as e:
+            logger.error("lost the node monitor (%s): hang detection is now INACTIVE for this rank", e)
+            self._sock.close()
+            self._sock = None
+
+    @staticmethod
+    def _read_reply(sock: socket.socket, timeout: float) -> dict:
+        buf = b""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in buf:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("node monitor closed the connection during init")
+            buf += chunk
+        try:
+            return decode(buf.split(b"\n", 1)[0])
+        except ProtocolError as e:
+            raise ConnectionError(f"node monitor sent a bad reply: {e}") from None
+
+
+def _all_reduce_max(values: list) -> list:
+    """Max over all ranks; a plain copy when torch.distributed is not initialised."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()

@@ -1,0 +1,204 @@
+"""ft_launcher: torchrun with hang detection, in-job restarts that always work, and exit codes.
+
+Accepts every torchrun flag (it extends torch's own argument parser) plus the flags that
+nvidia-resiliency-ext and NeMo-Run users already write: --ft-<field> in dash, underscore
+and legacy --ft-param- spellings, --ft-cfg-path, --ignore-missing-fault-tol-cfg,
+--ft-restart-policy, --workers-stop-timeout. All configuration is checked before any worker
+starts; a bad value ends the launcher with CONFIG_ERROR (2) and a message naming it.
+"""
+
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+import uuid
+from typing import List, Optional
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
+
+from nvrx_core import events as ev
+from nvrx_core.config import ConfigError, check
+from nvrx_core.exit_codes import ExitCode, describe
+from nvrx_core.ft import finished
+from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
+from nvrx_core.ft.client import MONITOR_SOCKET_ENV
+from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
+from nvrx_core.ft.monitor_handle import MonitorHandle
+
+logger = logging.getLogger("nvrx.ft.launcher")
+
+RESTART_POLICIES = ("any-failed", "min-healthy")
+
+
+def _ft_fields() -> List[str]:
+    return [f.name for f in dataclasses.fields(FTConfig)] + sorted(PEER_ONLY_FIELDS)
+
+
+def build_parser():
+    parser = get_args_parser()
+    parser.prog = "ft_launcher"
+    parser.description = "torchrun-compatible launcher with fault tolerance (nvrx-suite)"
+    group = parser.add_argument_group("fault tolerance (nvrx-suite)")
+    group.add_argument("--ft-cfg-path", "--ft-cfg_path", "--fault-tol-cfg-path", dest="ft_cfg_path", default=None,
+                       help=f"YAML file with a 'fault_tolerance:' section (also from ${CONFIG_PATH_ENV})")
+    group.add_argument("--ignore-missing-fault-tol-cfg", action="store_true",
+                       help="if the config file named does not exist, use defaults instead of failing")
+    for name in _ft_fields():
+        spellings = {f"--ft-{name.replace('_', '-')}", f"--ft-{name}", f"--ft-param-{name}"}
+        group.add_argument(*sorted(spellings), dest=f"ft_{name}", default=None, metavar="VALUE",
+                           help=argparse_help(name))
+    group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
+                       dest="ft_restart_policy", default="any-failed", choices=RESTART_POLICIES,
+                       help="any-failed: restart every worker when any fails (the only policy on one node)")
+    group.add_argument("--workers-stop-timeout", "--workers_stop_timeout", type=float, default=15.0,
+                       help="seconds to wait for workers to exit after SIGTERM before SIGKILL")
+    group.add_argument("--max-no-progress-restarts", "--max_no_progress_restarts", type=int, default=3,
+                       help="give up (exit %d) after this many consecutive restart cycles without progress; 0: never"
+                       % ExitCode.NO_PROGRESS)
+    group.add_argument("--health-check", action="append", default=[], metavar="MODULE:FUNC",
+                       help="callable returning (healthy: bool, detail: str), run before every (re)start")
+    group.add_argument("--events-file", default=os.environ.get(ev.EVENTS_FILE_ENV),
+                       help=f"JSON-lines incident log shared with the workers (also ${ev.EVENTS_FILE_ENV})")
+    return parser
+
+
+def argparse_help(name: str) -> str:
+    if name in PEER_ONLY_FIELDS:
+        return "accepted for nvidia-resiliency-ext compatibility; no effect"
+    return f"FTConfig.{name}"
+
+
+def load_ft_config(args) -> FTConfig:
+    path = args.ft_cfg_path or os.environ.get(CONFIG_PATH_ENV)
+    if path and not os.path.exists(path):
+        if not args.ignore_missing_fault_tol_cfg:
+            raise ConfigError(f"fault tolerance config {path!r} does not exist "
+                              "(pass --ignore-missing-fault-tol-cfg to run with defaults)")
+        logger.warning("fault tolerance config %s not found; using defaults", path)
+        path = None
+    overrides = {name: getattr(args, f"ft_{name}") for name in _ft_fields() if getattr(args, f"ft_{name}") is not None}
+    return FTConfig.from_layers(path, overrides)
+
+
+def load_health_check(spec: str):
+    module, _, func = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"--health-check {spec!r}: cannot load it ({e})") from None
+
+
+def check_args(args) -> AgentSettings:
+    check(args.ft_restart_policy == "any-failed", "--ft-restart-policy", args.ft_restart_policy,
+          "only 'any-failed' is supported (min-healthy needs spare nodes across a multi-node rendezvous)")
+    check(args.workers_stop_timeout > 0, "--workers-stop-timeout", args.workers_stop_timeout, "must be > 0 seconds")
+    check(args.max_no_progress_restarts >= 0, "--max-no-progress-restarts", args.max_no_progress_restarts,
+          "must be >= 0")
+    check(args.max_restarts >= 0, "--max-restarts", args.max_restarts, "must be >= 0")
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except Exception:
+        raise ConfigError(f"--nnodes={args.nnodes!r}: expected N or MIN:MAX") from None
+    check(0 < min_nodes <= max_nodes, "--nnodes", args.nnodes, "need 0 < min <= max")
+    if not (args.no_python or args.module or os.path.exists(args.training_script)):
+        raise ConfigError(f"training script {args.training_script!r} does not exist")
+    return AgentSettings(
+        workers_stop_timeout=args.workers_stop_timeout,
+        max_no_progress_restarts=args.max_no_progress_restarts,
+        health_checks=[load_health_check(s) for s in args.health_check],
+    )
+
+
+def resolve_rendezvous(args) -> None:
+    """torchrun's rule: a single node without an endpoint gets a private c10d store on a free port."""
+    _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    single_node_default = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+    if args.standalone or (single_node_default and max_nodes == 1):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
+    config, entrypoint, entrypoint_args = config_from_args(args)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    params = RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
+    master_addr = master_port = None
+    if config.rdzv_backend == "static":
+        master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    handler = AgentStoreRendezvous(rdzv_registry.get_rendezvous_handler(params))
+    spec = WorkerSpec(
+        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
+        args=tuple(entrypoint_args), rdzv_handler=handler, max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
+        local_addr=config.local_addr,
+    )
+    monitor = MonitorHandle(ft_cfg, events.path)
+    os.environ[MONITOR_SOCKET_ENV] = monitor.socket_path
+    if events.path:
+        os.environ[ev.EVENTS_FILE_ENV] = events.path
+    agent = FaultTolerantAgent(
+        spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        settings=settings, monitor=monitor, events=events,
+    )
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result is None:  # rendezvous closed gracefully by another node
+            return ExitCode.SUCCESS
+        if not result.is_failed():
+            events.emit(ev.TRAINING_FINISHED, cycle=agent.attempt)
+            return ExitCode.SUCCESS
+        failures = {rank: f.exitcode for rank, f in result.failures.items()}
+        logger.error("workers failed with %s and no restart is left", failures)
+        return ExitCode.RESTARTS_EXHAUSTED if config.max_restarts > 0 else ExitCode.FAILURE
+    except LauncherStop as stop:
+        logger.error("%s", stop)
+        return stop.exit_code
+    except SignalException as e:
+        shutdown_rdzv = False  # other nodes may still rendezvous on this run id
+        logger.warning("launcher received %s; workers stopped", e.sigval.name)
+        return 128 + int(e.sigval)
+    finally:
+        if shutdown_rdzv:
+            handler.shutdown()
+        monitor.stop()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[ft_launcher %(asctime)s] %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    if finished.is_finished():
+        logger.info("%s exists: the job already finished; exiting 0", finished.finished_flag_path())
+        return ExitCode.SUCCESS
+    events = ev.EventLog(args.events_file, source="launcher")
+    try:
+        ft_cfg = load_ft_config(args)
+        settings = check_args(args)
+        resolve_rendezvous(args)
+    except ConfigError as e:
+        print(f"ft_launcher: error: {e}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    logging.getLogger("nvrx").setLevel(ft_cfg.log_level)
+    code = launch(args, settings, ft_cfg, events)
+    events.emit(ev.LAUNCHER_EXIT, exit_code=int(code), meaning=describe(code))
+    return int(code)
+
+
+def console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,113 @@
+"""Wire protocol between ranks (and the launcher) and the node monitor.
+
+Versioned JSON lines over a Unix stream socket: one object per line, at most
+MAX_MESSAGE_BYTES. JSON, never pickle: the socket is a trust boundary, and a garbage or
+hostile line must cost the monitor nothing but a log line.
+
+Rank -> monitor (fire and forget, except `init`):
+  init        {rank, local_rank, pid, cycle}            -> reply init_ok {config, timeouts}
+  hb          heartbeat
+  ss / se     section start / end {name}
+  sea         end all open sections
+  progress    {iteration}                                training progress (for no-progress detection)
+  timeouts    {timeouts}                                 calculated timeouts for this rank
+  bye         the rank is shutting down cleanly: stop watching it
+Launcher -> monitor (request / reply):
+  cycle       {cycle}                                    a new restart cycle begins -> ok
+  stats       -> stats {ranks, heartbeats, section_ends, max_iteration}   for the cycle so far
+"""
+
+import json
+from typing import Any, List, Optional, Tuple
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the text says what is wrong."""
+
+
+# type -> {field: allowed types}
+_SCHEMA = {
+    "init": {"rank": int, "local_rank": int, "pid": int, "cycle": int},
+    "hb": {},
+    "ss": {"name": str},
+    "se": {"name": str},
+    "sea": {},
+    "progress": {"iteration": int},
+    "timeouts": {"timeouts": dict},
+    "bye": {},
+    "cycle": {"cycle": int},
+    "stats": {},
+    # monitor -> client
+    "init_ok": {"config": dict, "timeouts": dict},
+    "ok": {},
+    "stats_reply": {"stats": dict},
+    "error": {"reason": str},
+}
+
+
+def encode(msg_type: str, **fields: Any) -> bytes:
+    data = json.dumps({"v": PROTOCOL_VERSION, "t": msg_type, **fields}, separators=(",", ":")).encode()
+    if len(data) + 1 > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{msg_type} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data + b"\n"
+
+
+def decode(line: bytes) -> dict:
+    """Parse and validate one line (without its newline); raise ProtocolError if malformed."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("not a JSON object")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r}, expected {PROTOCOL_VERSION}")
+    schema = _SCHEMA.get(msg.get("t"))
+    if schema is None:
+        raise ProtocolError(f"unknown message type {msg.get('t')!r}")
+    for field, kind in schema.items():
+        value = msg.get(field)
+        # bool is an int subclass; a rank of `true` is still garbage.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ProtocolError(f"{msg['t']}: field {field!r} must be {kind.__name__}, got {value!r}")
+    return msg
+
+
+class LineBuffer:
+    """Splits a byte stream into messages; oversized lines are discarded up to their newline."""
+
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES):
+        self._max = max_bytes
+        self._buf = bytearray()
+        self._discarding = False
+
+    def feed(self, data: bytes) -> List[Tuple[Optional[dict], Optional[str]]]:
+        """Return (message, None) for each good line and (None, reason) for each bad one."""
+        out: List[Tuple[Optional[dict], Optional[str]]] = []
+        self._buf += data
+        while True:
+            nl = self._buf.find(b"\n")
+            if nl < 0:
+                if len(self._buf) > self._max:
+                    if not self._discarding:
+                        out.append((None, f"message longer than {self._max} bytes dropped"))
+                    self._discarding = True
+                    self._buf.clear()
+                return out
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            if self._discarding:
+                self._discarding = False
+                continue
+            if len(line) > self._max:
+                out.append((None, f"message longer than {self._max} bytes dropped"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                out.append((decode(line), None))
+            except ProtocolError as e:
+                out.append((None, str(e)))
