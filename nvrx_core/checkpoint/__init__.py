@@ -14,10 +14,13 @@ from nvrx_core.checkpoint.config import CheckpointConfig, LocalCheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                          CheckpointNotFoundError, CheckpointSaveError)
 from nvrx_core.checkpoint.layout import CheckpointStore, read_manifest, verify_checkpoint
+from nvrx_core.checkpoint.local import (CHECKPOINT_LOADED, GLOBAL, LOCAL, REPLICA,
+                                        LoadedCheckpoint, LocalCheckpointManager)
 
 __all__ = [
     "AsyncCheckpointer", "CheckpointConfig", "LocalCheckpointConfig",
+    "LocalCheckpointManager", "LoadedCheckpoint", "LOCAL", "REPLICA", "GLOBAL",
     "CheckpointError", "CheckpointCorruptError", "CheckpointNotFoundError", "CheckpointSaveError",
     "CheckpointStore", "read_manifest", "verify_checkpoint",
-    "CHECKPOINT_ABORTED", "CHECKPOINT_FAILED", "CHECKPOINT_SKIPPED",
+    "CHECKPOINT_ABORTED", "CHECKPOINT_FAILED", "CHECKPOINT_SKIPPED", "CHECKPOINT_LOADED",
 ]

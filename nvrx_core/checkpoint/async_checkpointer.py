@@ -39,19 +39,16 @@ CHECKPOINT_FAILED = "checkpoint_failed"
 CHECKPOINT_ABORTED = "checkpoint_aborted"
 CHECKPOINT_SKIPPED = "checkpoint_skipped"
 
-_USE_DEFAULT_GROUP = object()
-
 
 class AsyncCheckpointer:
     """Asynchronous, atomic, verified checkpoints of every rank's state under one root."""
 
     def __init__(self, root_dir: str, config: Optional[CheckpointConfig] = None, *,
-                 process_group: Any = _USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
+                 process_group: Any = collectives.USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config or CheckpointConfig()
         self.store = CheckpointStore(root_dir)
-        self._group = (collectives.default_group() if process_group is _USE_DEFAULT_GROUP
-                       else process_group)
+        self._group = collectives.resolve_group(process_group)
         self.rank, self.world_size = collectives.group_rank_size(self._group)
         self._events = events if events is not None else EventLog.from_env("checkpoint")
         self._pipeline = SavePipeline(self.config, self.rank, clock)

@@ -10,6 +10,15 @@ import torch
 import torch.distributed as dist
 
 
+USE_DEFAULT_GROUP = object()
+"""Default for a `process_group` argument: the world group if torch.distributed is
+initialized, else no group (pass None explicitly to force single-process behaviour)."""
+
+
+def resolve_group(process_group: Any) -> Optional[dist.ProcessGroup]:
+    return default_group() if process_group is USE_DEFAULT_GROUP else process_group
+
+
 def group_rank_size(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
     if group is None:
         return 0, 1

@@ -1,0 +1,195 @@
+"""Preemption: notice the scheduler's signal on any rank, agree on it, save, exit 18.
+
+    handler = DistributedSignalHandler(PreemptionConfig(check_every_n_steps=10)).install()
+    for step in range(start, total):
+        train_step()
+        if handler.should_stop(step):          # one tiny all_reduce every 10 steps
+            ckpt.save(state(), step); ckpt.finalize(blocking=True)
+            handler.exit_preempted()           # SystemExit(ExitCode.PREEMPTED): requeue me
+
+A scheduler may signal only some ranks (or one node first), and ranks that stop at
+different steps would deadlock in the next collective, so the decision is a collective:
+every rank contributes "did I get a signal" and all act on the max. Checking every step
+would add a collective to every step; every N steps bounds the reaction time instead.
+
+The handler only records the signal. A second (or third) signal while the checkpoint is
+being written is recorded too and does nothing else, so it cannot interrupt the save.
+"""
+
+import dataclasses
+import logging
+import signal
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from nvrx_core.config import build, check, load_yaml_section
+from nvrx_core.events import EventLog
+from nvrx_core.exit_codes import ExitCode
+
+logger = logging.getLogger("nvrx.preemption")
+
+PREEMPTION_SIGNALED = "preemption_signaled"
+PREEMPTION_AGREED = "preemption_agreed"
+WORKER_POLICIES = ("ignore", "default", "inherit")
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+_WORLD_IF_INITIALIZED = object()
+
+
+@dataclasses.dataclass
+class PreemptionConfig:
+    signals: List[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])
+    """Signals that mean "you are being preempted" (Slurm: SIGTERM, or SIGUSR1 with --signal)."""
+
+    check_every_n_steps: int = 10
+    """Ranks agree on a received signal every N steps (one int all_reduce)."""
+
+    dataloader_workers: str = "ignore"
+    """What DataLoader workers do with these signals (via worker_init_fn): "ignore" keeps
+    them alive until the main process has saved and shuts them down; "default" lets the
+    signal kill them; "inherit" keeps the parent's recording handler."""
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.signals, (list, tuple)) and len(self.signals) > 0, "signals",
+              self.signals, "must be a non-empty list of signal names such as SIGTERM")
+        for name in self.signals:
+            check(isinstance(name, str) and isinstance(getattr(signal, name, None), signal.Signals),
+                  "signals", name, "is not a signal name known to this platform")
+            check(name not in _UNCATCHABLE, "signals", name, "cannot be caught")
+        check(isinstance(self.check_every_n_steps, int) and self.check_every_n_steps >= 1,
+              "check_every_n_steps", self.check_every_n_steps, "must be an integer >= 1")
+        check(self.dataloader_workers in WORKER_POLICIES, "dataloader_workers",
+              self.dataloader_workers, f"must be one of {', '.join(WORKER_POLICIES)}")
+
+    @classmethod
+    def from_sources(cls, yaml_path: Optional[str] = None,
+                     overrides: Mapping[str, Any] = ()) -> "PreemptionConfig":
+        layers = [load_yaml_section(yaml_path, "preemption")] if yaml_path else []
+        return build(cls, *layers, dict(overrides), source=yaml_path or "preemption config")
+
+    def signal_numbers(self) -> List[signal.Signals]:
+        return [getattr(signal, name) for name in self.signals]
+
+
+@dataclasses.dataclass
+class WorkerSignalPolicy:
+    """A picklable DataLoader worker_init_fn applying the configured signal policy, then
+    the user's own worker_init_fn (if any)."""
+
+    signals: List[int]
+    policy: str
+    then: Optional[Callable[[int], None]] = None
+
+    def __call__(self, worker_id: int) -> None:
+        if self.policy != "inherit":
+            disposition = signal.SIG_IGN if self.policy == "ignore" else signal.SIG_DFL
+            for number in self.signals:
+                signal.signal(number, disposition)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+class DistributedSignalHandler:
+    """Records preemption signals on the main thread; agrees on them across ranks."""
+
+    def __init__(self, config: Optional[PreemptionConfig] = None, *,
+                 process_group: Any = _WORLD_IF_INITIALIZED, events: Optional[EventLog] = None):
+        self.config = config or PreemptionConfig()
+        if process_group is _WORLD_IF_INITIALIZED:
+            process_group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        self._group = process_group
+        self._events = events if events is not None else EventLog.from_env("preemption")
+        self._previous: Dict[int, Any] = {}
+        self._installed = False
+        self._agreed = False
+        self.received: List[int] = []
+        """Signal numbers received on this rank, in order (appended by the handler)."""
+
+    @property
+    def signaled(self) -> bool:
+        """Whether this rank received a preemption signal (no collective)."""
+        return bool(self.received)
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def install(self) -> "DistributedSignalHandler":
+        """Install the handlers; only on the main thread, where Python delivers signals."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("DistributedSignalHandler.install() must be called on the main "
+                               "thread: Python runs signal handlers only there")
+        if self._installed:
+            raise RuntimeError("DistributedSignalHandler is already installed")
+        for number in self.config.signal_numbers():
+            self._previous[number] = signal.signal(number, self._on_signal)
+        self._installed = True
+        return self
+
+    def release(self) -> None:
+        """Restore the previous handlers. Safe to call more than once."""
+        if not self._installed:
+            return
+        for number, previous in self._previous.items():
+            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+        self._installed = False
+
+    def __enter__(self) -> "DistributedSignalHandler":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def _on_signal(self, number: int, frame: Any) -> None:
+        self.received.append(number)
+        if len(self.received) == 1:
+            logger.warning("received %s: will checkpoint and exit at the next agreed check",
+                           signal.Signals(number).name)
+
+    def should_stop(self, step: int) -> bool:
+        """True once any rank has been signaled. Collective on steps that are multiples of
+        check_every_n_steps (every rank must call it with the same step numbers); other
+        steps return the last agreed answer without communicating."""
+        if self._agreed:
+            return True
+        if step % self.config.check_every_n_steps != 0:
+            return False
+        return self.check_now(step)
+
+    def check_now(self, step: Optional[int] = None) -> bool:
+        """Agree now (collective), e.g. at the end of an epoch or before a long eval."""
+        if self._agreed:
+            return True
+        local = int(self.signaled)
+        if self._group is None:
+            agreed = local
+        else:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend(self._group) == "nccl" else torch.device("cpu"))
+            flag = torch.tensor([local], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+            agreed = int(flag.item())
+        if agreed:
+            self._agreed = True
+            names = [signal.Signals(n).name for n in self.received]
+            self._events.emit(PREEMPTION_AGREED, step=step, signals_here=names)
+            logger.warning("preemption agreed at step %s (signals on this rank: %s)", step, names)
+        return bool(agreed)
+
+    @property
+    def worker_init_fn(self) -> WorkerSignalPolicy:
+        """Pass as DataLoader(worker_init_fn=...) to apply the dataloader_workers policy."""
+        return self.wrap_worker_init_fn(None)
+
+    def wrap_worker_init_fn(self, then: Optional[Callable[[int], None]]) -> WorkerSignalPolicy:
+        return WorkerSignalPolicy([int(n) for n in self.config.signal_numbers()],
+                                  self.config.dataloader_workers, then)
+
+    def exit_preempted(self) -> None:
+        """Leave with ExitCode.PREEMPTED (18) so the scheduler/launcher requeues the job."""
+        logger.warning("exiting with %s (%d) after preemption", ExitCode.PREEMPTED.name,
+                       int(ExitCode.PREEMPTED))
+        raise SystemExit(int(ExitCode.PREEMPTED))
