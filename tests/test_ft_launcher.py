@@ -1,0 +1,182 @@
+"""ft_launcher end to end: real launcher, real node monitor, real gloo ranks (2 per job)."""
+
+import os
+
+import pytest
+
+from launcher_util import SCRIPTS, kinds, run_launcher
+from nvrx_core.events import read_events
+from nvrx_core.exit_codes import ExitCode
+from nvrx_core.ft.incidents import summarize
+
+pytestmark = pytest.mark.timeout(240)
+
+TRAIN = ["-m", "nvrx_core.demo.train"]
+FAIL_JOB = os.path.join(SCRIPTS, "fail_job.py")
+
+
+def train_args(tmp_path, name, *extra, steps=30, step_time=0.02):
+    run = tmp_path / name
+    return [
+        "--nproc-per-node", "2", "--max-restarts", "3", "--events-file", str(run / "events.jsonl"),
+    ], [
+        *TRAIN, "--steps", str(steps), "--step-time", str(step_time), "--ckpt-dir", str(run / "ckpt"),
+        "--hash-file", str(run / "weights.sha"), *extra,
+    ], run
+
+
+def launch_train(tmp_path, name, ft_flags=(), job_flags=(), **kw):
+    launcher_flags, job, run = train_args(tmp_path, name, *job_flags, **kw)
+    result = run_launcher([*launcher_flags, *ft_flags, *job])
+    events = read_events(str(run / "events.jsonl"))
+    digest = (run / "weights.sha").read_text().strip() if (run / "weights.sha").exists() else None
+    return result, events, digest
+
+
+@pytest.fixture(scope="module")
+def reference_hash(tmp_path_factory):
+    result, _, digest = launch_train(tmp_path_factory.mktemp("ref"), "ref")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert digest
+    return digest
+
+
+def test_crash_restarts_and_resumes_from_checkpoint(tmp_path, reference_hash):
+    result, events, digest = launch_train(tmp_path, "crash", job_flags=["--fault", "rank_killed:1:15"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert len(kinds(events, "restart_begun")) == 1
+    resumed = [e["step"] for e in kinds(events, "training_resumed") if e["cycle"] == 1]
+    assert resumed and set(resumed) == {10}  # the last checkpoint before the crash at step 15
+    assert digest == reference_hash  # nothing lost, nothing changed
+    [incident] = summarize(events)
+    assert incident.fault == "rank_killed" and incident.rank == 1 and incident.resumed_after is not None
+
+
+def test_exception_restarts(tmp_path, reference_hash):
+    result, events, digest = launch_train(tmp_path, "exc", job_flags=["--fault", "rank_exception:0:12"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert digest == reference_hash
+    assert {e["exit_codes"]["0"] for e in kinds(events, "workers_failed")} == {1}
+
+
+def test_hang_detected_in_heartbeat_mode_with_stack_dump(tmp_path, reference_hash):
+    result, events, digest = launch_train(
+        tmp_path, "hang", ft_flags=["--ft-rank-heartbeat-timeout", "2", "--ft-initial-rank-heartbeat-timeout", "60"],
+        job_flags=["--fault", "rank_hung:1:12"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    detected = kinds(events, "fault_detected")
+    assert detected and all(e["reason"] == "heartbeat timeout" for e in detected)
+    hung_rank = [e for e in detected if e["rank"] == 1]
+    assert hung_rank, detected
+    assert any(e["rank"] == 1 for e in kinds(events, "stacks_dumped"))
+    assert any(e["rank"] == 1 and e["signal"] == "SIGKILL" for e in kinds(events, "rank_killed"))
+    # The hung rank's own stack, dumped by faulthandler, is in the launcher's output.
+    assert "Current thread" in result.stdout and "in maybe_inject" in result.stdout
+    injected = kinds(events, "fault_injected")[0]["time"]
+    assert 1.5 < hung_rank[0]["time"] - injected < 2 + 10  # the 2 s timeout, not gloo's 30 min
+    assert digest == reference_hash
+
+
+def test_hang_detected_in_section_mode(tmp_path):
+    result, events, _ = launch_train(
+        tmp_path, "sections",
+        ft_flags=["--ft-rank-section-timeouts", "setup:120,step:2,checkpointing:30",
+                  "--ft-initial-rank-heartbeat-timeout", "None", "--ft-rank-heartbeat-timeout", "None"],
+        job_flags=["--mode", "sections", "--fault", "rank_hung:0:8"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    reasons = {e["reason"] for e in kinds(events, "fault_detected")}
+    assert reasons == {"section 'step' timeout"}, reasons
+
+
+def test_calculated_timeouts_persist_and_apply_in_next_cycle(tmp_path):
+    # Cycle 0 learns timeouts at step 5 (saved with the step-10 checkpoint), then crashes.
+    # Cycle 1 loads them: a hang is caught after ~safety_factor x step time, not the 120 s configured.
+    result, events, _ = launch_train(
+        tmp_path, "calc",
+        ft_flags=["--ft-rank-heartbeat-timeout", "120", "--ft-safety-factor", "40"],
+        job_flags=["--calc-timeouts-at", "5", "--fault", "rank_killed:1:13", "--fault", "rank_hung:0:16:1"],
+        step_time=0.05)
+    assert result.returncode == 0, result.stdout[-3000:]
+    state = (tmp_path / "calc" / "ckpt" / "ft_state.json").read_text()
+    assert '"heartbeat"' in state
+    updates = [e for e in kinds(events, "timeouts_updated") if e["cycle"] == 1]
+    assert updates, "cycle 1 did not push the saved timeouts to the monitor"
+    learned = updates[0]["timeouts"]["heartbeat"]
+    assert 40 * 0.04 < learned < 60, learned
+    detected = [e for e in kinds(events, "fault_detected") if e["cycle"] == 1]
+    injected = [e for e in kinds(events, "fault_injected") if e["cycle"] == 1][0]
+    assert detected and detected[0]["time"] - injected["time"] < learned + 10
+
+
+def test_restarts_exhausted_exit_code(tmp_path):
+    marker = tmp_path / "starts"
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "2", "--max-no-progress-restarts", "0",
+                           FAIL_JOB, "--exit-code", "3", "--marker", str(marker)])
+    assert result.returncode == ExitCode.RESTARTS_EXHAUSTED, result.stdout[-3000:]
+    assert len(marker.read_text().splitlines()) == 2 * 3  # 2 ranks x (1 start + 2 restarts)
+
+
+def test_no_progress_limit_stops_the_restart_loop(tmp_path):
+    marker, events_file = tmp_path / "starts", tmp_path / "events.jsonl"
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "10", "--max-no-progress-restarts", "2",
+                           "--events-file", str(events_file),
+                           FAIL_JOB, "--progress-to", "3", "--marker", str(marker)])
+    assert result.returncode == ExitCode.NO_PROGRESS, result.stdout[-3000:]
+    # cycle 0 progressed (to iteration 3); cycles 1 and 2 got no further: stop after cycle 2.
+    cycles = {line.split(":")[1] for line in marker.read_text().splitlines()}
+    assert cycles == {"0", "1", "2"}
+    exit_event = kinds(read_events(str(events_file)), "launcher_exit")[0]
+    assert exit_event["exit_code"] == ExitCode.NO_PROGRESS
+
+
+def test_terminal_worker_exit_code_is_not_restarted(tmp_path):
+    marker = tmp_path / "starts"
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "3",
+                           FAIL_JOB, "--exit-code", str(int(ExitCode.PREEMPTED)), "--fail-rank", "1",
+                           "--marker", str(marker)])
+    assert result.returncode == ExitCode.PREEMPTED, result.stdout[-3000:]
+    assert len(marker.read_text().splitlines()) == 2  # one cycle only
+
+
+def test_finished_flag_honoured_and_written(tmp_path):
+    flag = tmp_path / "finished.flag"
+    launcher_flags, job, run = train_args(tmp_path, "fin", steps=5, step_time=0.0)
+    result = run_launcher([*launcher_flags, *job], env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert flag.exists()  # the completed job wrote it
+    marker = tmp_path / "starts"
+    again = run_launcher(["--nproc-per-node", "2", FAIL_JOB, "--marker", str(marker)],
+                         env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
+    assert again.returncode == 0
+    assert not marker.exists()  # no worker started
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--ft-rank-heartbeat-timeout", "-5"], "rank_heartbeat_timeout"),
+    (["--ft-safety-factor", "0.5"], "safety_factor"),
+    (["--ft-rank-section-timeouts", "setup600"], "rank_section_timeouts"),
+    (["--ft-rank-termination-signal", "SIGNOPE"], "rank_termination_signal"),
+    (["--ft-cfg-path", "/nonexistent/ft.yaml"], "does not exist"),
+    (["--ft-restart-policy", "min-healthy"], "any-failed"),
+    (["--workers-stop-timeout", "0"], "workers-stop-timeout"),
+    (["BADYAML"], "not valid YAML"),
+    (["BADFIELD"], "unknown field 'rank_heartbeat_timout'"),
+])
+def test_bad_config_fails_before_any_worker_starts(tmp_path, flags, expected):
+    if flags == ["BADYAML"]:
+        (tmp_path / "bad.yaml").write_text("fault_tolerance:\n  rank_heartbeat_timeout: [1,\n")
+        flags = ["--ft-cfg-path", str(tmp_path / "bad.yaml")]
+    elif flags == ["BADFIELD"]:
+        (tmp_path / "typo.yaml").write_text("fault_tolerance:\n  rank_heartbeat_timout: 10\n")
+        flags = ["--ft-cfg-path", str(tmp_path / "typo.yaml")]
+    marker = tmp_path / "starts"
+    result = run_launcher(["--nproc-per-node", "2", *flags, FAIL_JOB, "--exit-code", "0", "--marker", str(marker)])
+    assert result.returncode == ExitCode.CONFIG_ERROR, result.stdout[-3000:]
+    assert expected in result.stdout
+    assert not marker.exists()
+
+
+def test_missing_training_script_is_a_config_error(tmp_path):
+    result = run_launcher(["--nproc-per-node", "2", str(tmp_path / "nope.py")])
+    assert result.returncode == ExitCode.CONFIG_ERROR
+    assert "does not exist" in result.stdout
