@@ -7,7 +7,6 @@ several steps later inside the protocol.
 """
 
 import dataclasses
-import math
 from typing import Any, List, Optional
 
 import torch
@@ -165,15 +164,3 @@ def parse_state_dict(data: Any, adapters_count: int) -> MachineCheckpoint:
         same_device_restarts=data["same_device_restarts"], failed_call=failed,
         saved_state=saved, data_iterators=iterators, spiky_loss=data["spiky_loss"],
     )
-
-
-def describe_result(result: Any) -> str:
-    """A short text for logs: the value of a scalar, a summary of a larger tensor."""
-    if isinstance(result, torch.Tensor):
-        if result.numel() == 1:
-            return repr(float(result.detach().reshape(()).item()))
-        finite = result.detach().float()
-        bad = int((~torch.isfinite(finite)).sum().item())
-        return f"tensor(shape={tuple(result.shape)}, non_finite={bad}, absmax={float(finite.abs().nan_to_num(0, 0, 0).max().item()) if result.numel() else 0.0:g})"
-    value = float(result)
-    return repr(value) if not math.isnan(value) else "nan"

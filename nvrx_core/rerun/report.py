@@ -8,8 +8,16 @@ fsyncs: the line that explains an exit must survive the exit.
 
 import dataclasses
 import json
+import logging
+import math
 import os
-from typing import Any, Iterator, List, Optional, Set
+from typing import Any, Callable, Iterator, List, Optional, Set
+
+import torch
+
+from nvrx_core.events import EventLog
+
+logger = logging.getLogger("nvrx.rerun")
 
 # Event kinds (nvrx_core.events) the machine emits.
 RESULT_REJECTED = "rerun_result_rejected"
@@ -63,6 +71,47 @@ class RejectedResultsLog:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def describe_result(result: Any) -> str:
+    """A short text for logs: the value of a scalar, a summary of a larger tensor."""
+    if isinstance(result, torch.Tensor):
+        if result.numel() == 1:
+            return repr(float(result.detach().reshape(()).item()))
+        finite = result.detach().float()
+        bad = int((~torch.isfinite(finite)).sum().item())
+        return f"tensor(shape={tuple(result.shape)}, non_finite={bad}, absmax={float(finite.abs().nan_to_num(0, 0, 0).max().item()) if result.numel() else 0.0:g})"
+    value = float(result)
+    return repr(value) if not math.isnan(value) else "nan"
+
+
+class RejectionReporter:
+    """Writes each rejected result and each diagnosis to the log file, the event log and the Python log."""
+
+    def __init__(self, log: RejectedResultsLog, events: EventLog, clock: Callable[[], float]):
+        self._log = log
+        self._events = events
+        self._clock = clock
+        self.diagnoses: List[RejectedResult] = []
+
+    def record(self, status: str, *, iteration: int, rank: int, host: str, device: str, message: str,
+               result: Any, diagnosis: Optional[str] = None, detail: str = "", injected: Optional[str] = None) -> None:
+        record = RejectedResult(
+            time=self._clock(), iteration=iteration, rank=rank, host=host, device=device, status=status,
+            message=message, result=describe_result(result) if result is not None else None,
+            diagnosis=diagnosis, detail=detail,
+        )
+        self._log.append(record)
+        fields = {k: v for k, v in dataclasses.asdict(record).items() if k not in ("time", "rank")}
+        if injected:
+            fields["injected"] = injected
+        if diagnosis is None:
+            logger.warning("rerun: rank %d iteration %d: %s: %s (%s) %s", rank, iteration, status, record.result, message, detail)
+            self._events.emit(RESULT_REJECTED, rank=rank, **fields)
+        else:
+            self.diagnoses.append(record)
+            logger.error("rerun: rank %d iteration %d: diagnosis %s: %s", rank, iteration, diagnosis, detail)
+            self._events.emit(RERUN_DIAGNOSIS, rank=rank, **fields)
 
 
 def read_rejected_results(path: str) -> List[RejectedResult]:

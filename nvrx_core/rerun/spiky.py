@@ -5,10 +5,11 @@ loss as it falls; the first losses (warm-up) fall too fast to form a baseline an
 skipped. A loss is spiky when it is above `factor` x the baseline (a baseline <= 0 flags
 nothing: a ratio means nothing there). NaN/Inf are the NaN check's business, never a spike.
 
-Two implementations of the same rule: for a loss on the host (a Python number or a CPU
-tensor) a sorted window answers with a bool; for a loss on an accelerator the window is a
-device tensor and the answer a device tensor, so checking costs no device->host sync
-(the machine reads all of a step's flags back at once).
+Two implementations of the same rule: for a Python number a sorted window answers with a
+bool; for a tensor the window is a tensor on the loss's device and the answer a 0-d bool
+tensor there, so checking costs no device->host sync (the machine reads all of a step's
+flags back at once). CPU tensors take the tensor path too: the code tested on CPU is the
+code that runs on a GPU.
 """
 
 import bisect
@@ -43,11 +44,11 @@ class SpikyLossDetector:
 
     def __call__(self, loss: Union[float, torch.Tensor]) -> Union[bool, torch.Tensor]:
         """Is `loss` a spike? Records it in the baseline when it is finite and not a spike."""
-        if isinstance(loss, torch.Tensor) and loss.device.type != "cpu":
-            return self.check_on_device(loss)
-        return self.check_on_host(float(loss))
+        if isinstance(loss, torch.Tensor):
+            return self.check_tensor(loss)
+        return self.check_number(float(loss))
 
-    def check_on_host(self, value: float) -> bool:
+    def check_number(self, value: float) -> bool:
         self._move_to_host()
         self.observed += 1
         if self.observed <= self.warmup:
@@ -64,7 +65,7 @@ class SpikyLossDetector:
             bisect.insort(self._sorted, value)
         return spiky
 
-    def check_on_device(self, loss: torch.Tensor) -> torch.Tensor:
+    def check_tensor(self, loss: torch.Tensor) -> torch.Tensor:
         if loss.numel() != 1:
             raise ValueError(f"spiky-loss check needs a scalar loss, got shape {tuple(loss.shape)}")
         value = loss.detach().reshape(1).to(torch.float32)
