@@ -1,0 +1,178 @@
+"""The node monitor with real Unix sockets and real client objects, kills recorded not sent.
+
+The monitor runs in a thread of the test process; `kill` is injected so a "hung" rank here
+is the test process itself and must not receive SIGKILL. Everything else is real: the
+socket, the JSON lines, the RankMonitorClient, the deadline clock.
+"""
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from nvrx_core.config import ConfigError
+from nvrx_core.events import EventLog, read_events
+from nvrx_core.ft.client import RankMonitorClient
+from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft.monitor import NodeMonitor
+from nvrx_core.ft.protocol import encode
+from nvrx_core.ft.timeouts import Timeouts
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wait_for(predicate, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class MonitorThread:
+    def __init__(self, tmp_path, **cfg):
+        self.path = str(tmp_path / "m.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(64)
+        self.kills = []
+        self.events_file = str(tmp_path / "events.jsonl")
+        self.monitor = NodeMonitor(
+            listener, FTConfig(stack_dump_grace=0.05, **cfg), EventLog(self.events_file, source="monitor"),
+            kill=lambda pid, sig: self.kills.append((pid, signal.Signals(sig))))
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop:
+            self.monitor.poll(0.05)
+
+    def client(self):
+        c = RankMonitorClient(socket_path=self.path)
+        assert c.init_workload_monitoring()
+        return c
+
+    def events(self, kind):
+        return [e for e in read_events(self.events_file) if e["kind"] == kind]
+
+    def close(self):
+        self._stop = True
+        self.thread.join(5)
+        self.monitor.close()
+
+
+@pytest.fixture
+def monitor(tmp_path, request):
+    m = MonitorThread(tmp_path, **getattr(request, "param", {}))
+    yield m
+    m.close()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30)],
+                         indirect=True)
+def test_missed_heartbeat_dumps_stacks_then_kills(monitor):
+    client = monitor.client()
+    client.send_heartbeat()
+    wait_for(lambda: len(monitor.kills) >= 2, what="dump + kill")
+    assert monitor.kills[:2] == [(os.getpid(), signal.SIGUSR2), (os.getpid(), signal.SIGKILL)]
+    [detected] = monitor.events("fault_detected")
+    assert detected["reason"] == "heartbeat timeout" and detected["pid"] == os.getpid()
+    client.shutdown_workload_monitoring()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=1.0)], indirect=True)
+def test_garbage_and_oversized_messages_are_dropped_and_others_still_served(monitor):
+    good = monitor.client()
+    vandal = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    vandal.connect(monitor.path)
+    vandal.sendall(b"\x00\xff garbage\n" + b"{" * 200_000 + b"\n" + b'{"v":1,"t":"hb"}\n' +
+                   encode("init", rank=9, local_rank=0, pid=1, cycle=0))  # lies about its pid
+    reply = vandal.recv(65536)
+    assert b'"error"' in reply
+    # The good rank is still watched: heartbeats keep it alive, then silence gets it killed.
+    for _ in range(5):
+        good.send_heartbeat()
+        time.sleep(0.2)
+    assert monitor.kills == []
+    wait_for(lambda: monitor.kills, what="kill after heartbeats stop")
+    assert monitor.kills[0][0] == os.getpid()
+    assert monitor.monitor.cycle_stats()["heartbeats"] == 5
+    vandal.close()
+    good.shutdown_workload_monitoring()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_section_timeouts={"step": 0.4}, rank_heartbeat_timeout=None,
+                                          initial_rank_heartbeat_timeout=None)], indirect=True)
+def test_section_timeout_and_clean_bye(monitor):
+    client = monitor.client()
+    for _ in range(3):
+        with client.section("step"):
+            time.sleep(0.05)
+    client.shutdown_workload_monitoring()  # bye: a rank that leaves cleanly is never killed
+    time.sleep(0.6)
+    assert monitor.kills == []
+    client2 = monitor.client()
+    client2.start_section("step")
+    wait_for(lambda: monitor.kills, what="section timeout")
+    assert monitor.events("fault_detected")[0]["reason"] == "section 'step' timeout"
+    client2.shutdown_workload_monitoring()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=60, safety_factor=3, num_warmup_iterations=0)],
+                         indirect=True)
+def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_path):
+    client = monitor.client()
+    for _ in range(4):
+        client.send_heartbeat()
+        time.sleep(0.1)
+    assert client.calculate_and_set_timeouts()  # single process: no collective needed
+    learned = client.calculated.heartbeat
+    assert 0.25 < learned < 3.0
+    wait_for(lambda: monitor.events("timeouts_updated"), what="timeouts pushed")
+    assert monitor.events("timeouts_updated")[0]["timeouts"]["heartbeat"] == pytest.approx(learned)
+    client.save_state(str(tmp_path))
+    client.shutdown_workload_monitoring()
+
+    fresh = RankMonitorClient(socket_path=monitor.path)
+    assert fresh.load_state(str(tmp_path))
+    assert fresh.calculated.heartbeat == pytest.approx(learned)
+    assert fresh.init_workload_monitoring()  # pushes the loaded timeouts on connect
+    wait_for(lambda: len(monitor.events("timeouts_updated")) == 2, what="second push")
+    fresh.send_heartbeat()
+    wait_for(lambda: monitor.kills, timeout=learned + 10, what="kill after learned timeout")
+    fresh.shutdown_workload_monitoring()
+
+
+def test_corrupt_state_file_is_a_clear_error(tmp_path):
+    (tmp_path / "ft_state.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="ft_state.json: not valid JSON"):
+        RankMonitorClient(socket_path="unused").load_state(str(tmp_path))
+    (tmp_path / "ft_state.json").write_text(json.dumps({"version": 1, "calculated_timeouts": {"heartbeat": "x"}}))
+    with pytest.raises(ConfigError, match="heartbeat"):
+        RankMonitorClient(socket_path="unused").load_state(str(tmp_path))
+    assert not RankMonitorClient(socket_path="unused").load_state(str(tmp_path / "missing"))
+
+
+def test_client_outside_ft_launcher_is_inactive_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv("NVRX_FT_MONITOR_SOCKET", raising=False)
+    client = RankMonitorClient()
+    with caplog.at_level("WARNING", logger="nvrx.ft.client"):
+        assert client.init_workload_monitoring() is False
+    assert "INACTIVE" in caplog.text
+    assert not client.is_active
+    client.send_heartbeat()  # no-ops, no errors
+    with client.section("step"):
+        pass
+    assert client.calculate_and_set_timeouts() is False
+    assert client.calculated == Timeouts()
+
+
+def test_unreachable_monitor_is_an_error(tmp_path):
+    with pytest.raises(ConnectionError, match="cannot reach the ft_launcher node monitor"):
+        RankMonitorClient(socket_path=str(tmp_path / "nobody.sock")).init_workload_monitoring(connect_timeout=1)
