@@ -12,9 +12,10 @@ Typical loop (every rank runs the same number of step() calls):
             all_reduce_grads()
         report = detector.step()          # None between reports
 
-Between reports step() only counts: ranks agree on "is a report due" with one two-float
-all_reduce every few steps (about schedule_checks_per_interval times per interval), sized
-from the measured step time. A report is a handful of small collectives.
+Between reports step() only counts steps: ranks agree on "is a report due" with one
+three-float all_reduce a few times per report interval (schedule_checks_per_interval),
+the step count to the next check sized from the measured step time. A report is three
+small collectives (payload length, gather, decision broadcast).
 """
 
 import dataclasses
@@ -161,22 +162,31 @@ class Detector:
         return self._check_schedule()
 
     def _check_schedule(self) -> Optional[Report]:
-        """One all_reduce: is a report due anywhere, and how many steps until the next check."""
+        """One all_reduce of three floats: is a report due on any rank, and how many steps
+        until the next check, for either outcome. Checks aim at the due time, but are at
+        most 1/schedule_checks_per_interval of the interval apart, so a change of step time
+        delays a report by a fraction of the interval at most."""
         now = self._clock()
         step_s = max((now - self._last_check) / self._check_every, 1e-9)
         self._last_check = now
-        config = self._config
-        left = config.report_time_interval - (now - self._last_report)
-        period = min(config.report_time_interval / config.schedule_checks_per_interval, max(left, 0.0))
-        proposal = min(max(int(period / step_s), 1), MAX_STEPS_BETWEEN_CHECKS)
-        due, negated_min = self._coll.max_floats([1.0 if left <= 0 else 0.0, -float(proposal)])
-        self._check_every = self._steps_to_check = int(-negated_min)
-        return self.generate_report() if due > 0 else None
+        interval = self._config.report_time_interval
+        gap = interval / self._config.schedule_checks_per_interval
+        left = interval - (now - self._last_report)
+
+        def steps_for(seconds: float) -> float:
+            return -float(min(max(round(seconds / step_s), 1), MAX_STEPS_BETWEEN_CHECKS))  # negated: max = min
+
+        due = left <= step_s / 2  # the next step would overshoot more than this one falls short
+        agreed = self._coll.max_floats([1.0 if due else 0.0, steps_for(min(interval, gap)), steps_for(min(left, gap))])
+        report_now = agreed[0] > 0
+        self._check_every = self._steps_to_check = int(-(agreed[1] if report_now else agreed[2]))
+        return self.generate_report() if report_now else None
 
     # ---- reporting ----
 
     def generate_report(self) -> Optional[Report]:
-        """Collective: gather, score and act. None while detection is disabled."""
+        """Collective: gather, score and act. None while detection is disabled or when no
+        rank timed anything in the interval."""
         started = self._clock()
         interval_s = started - self._last_report
         self._last_report = started
@@ -193,7 +203,8 @@ class Detector:
         report = None
         if payloads is not None:
             self._apply_settings(payloads[0]["settings"])
-            if self._config.enabled:  # rank 0's setting: the same decision on every rank
+            timed = any(p.get("steps") for p in payloads)  # nothing right after enabling
+            if self._config.enabled and timed:  # rank 0's setting: the same on every rank
                 report = self._decide(payloads, interval_s, started)
         if not to_all:  # rank 0 scored alone: tell the others what they need
             report = self._share_decision(report, mine, interval_s, started)

@@ -74,7 +74,8 @@ class Report:
         return table.get(scope, {}).get(rank)
 
     def _rank_key(self, rank: int) -> float:
-        scores = [s for s in (self.score(RELATIVE, rank), self.score(INDIVIDUAL, rank)) if s is not None]
+        """The rank's lowest score of any kind and scope: what decides if it is flagged."""
+        scores = [by_rank[rank] for table in (self.relative, self.individual) for by_rank in table.values() if rank in by_rank]
         return min(scores) if scores else float("inf")
 
     def _worst_section(self, rank: int) -> str:
@@ -87,7 +88,8 @@ class Report:
         return f"{worst_name} {worst:.2f}" if worst_name else "-"
 
     def table(self, rows: int) -> str:
-        """Header with flagged ranks, then the `rows` worst and `rows` best ranks."""
+        """Header with flagged ranks, then the `rows` worst and `rows` best ranks (by their
+        lowest score); scores in the relative/individual columns are the per-step overall."""
         flagged = "; ".join(
             f"rank {s.rank} ({s.node}) {s.score_kind} {s.scope} {s.score:.2f} x{s.consecutive}" for s in self.stragglers
         )
