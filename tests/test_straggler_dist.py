@@ -258,7 +258,7 @@ def test_control_file_switches_every_rank_at_the_same_report(tmp_path):
     expected = [
         [1, False, False, 0.8],
         [2, False, False, 0.8],
-        [3, True, True, 0.9],
+        [3, False, True, 0.9],  # read the file: enabled from here, but nothing timed yet
         [4, True, True, 0.9],
         [5, True, True, 0.9],
     ]
