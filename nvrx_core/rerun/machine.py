@@ -169,7 +169,7 @@ class RerunStateMachine:
     def validate_loss(self, loss: Any, tolerance: float = 0.0) -> None:
         """The configured loss checks: NaN/Inf (fatal) and spiky loss (not fatal)."""
         if self.config.check_for_nan_in_loss:
-            self.validate_result(loss, reject_non_finite, "loss is NaN or Inf", tolerance=tolerance, fatal=True)
+            self.validate_result(loss, reject_non_finite, "NaN/Inf loss", tolerance=tolerance, fatal=True)
         if self.config.check_for_spiky_loss:
             self.validate_result(loss, self.is_spiky_loss, "spiky loss", tolerance=tolerance, fatal=False)
 
@@ -207,7 +207,9 @@ class RerunStateMachine:
             return False
         self._failed = self._run.first_rejected(self.current_iteration)
         if self._failed is not None:
-            self._record(report.INITIAL_RUN, self._failed, self._failed.initial_result)
+            injected = self._failed.injected
+            self._record(report.INITIAL_RUN, self._failed, self._failed.initial_result,
+                         detail=f"injected {injected.value}" if injected else "rejected; rerunning in place")
         self._apply(event)
         self._start_rerun()
         return True
@@ -366,6 +368,7 @@ class RerunStateMachine:
             status, iteration=failed.iteration, rank=self._rank, host=self.identity.host, device=str(self.identity),
             message=failed.message, result=result, diagnosis=diagnosis, detail=detail,
             injected=failed.injected.value if failed.injected else None,
+            suspect_device=str(failed.suspicious_device) if failed.suspicious_device else None,
         )
 
     def _reject_while_disabled(self, result: Any, message: str, fatal: bool) -> None:
@@ -375,7 +378,6 @@ class RerunStateMachine:
                 f"{report.describe_result(result)} rejected ({message}); rerun_mode=disabled, so it is not re-checked")
         if fatal:
             raise RerunValidationError(text)
-        logger.warning("rerun: %s", text)
 
     # ------------------------------------------------------- stats and state
     def report_determinism_stats(self) -> Optional[dict]:

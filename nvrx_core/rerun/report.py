@@ -53,6 +53,8 @@ class RejectedResult:
     diagnosis: Optional[str] = None
     """correct_result (application/data), transient_error, persistent_error, undetermined; None while pending."""
     detail: str = ""
+    suspect_device: Optional[str] = None
+    """The device the result reproduced on in place (the one to drain if the diagnosis is persistent_error)."""
 
 
 class RejectedResultsLog:
@@ -95,11 +97,12 @@ class RejectionReporter:
         self.diagnoses: List[RejectedResult] = []
 
     def record(self, status: str, *, iteration: int, rank: int, host: str, device: str, message: str,
-               result: Any, diagnosis: Optional[str] = None, detail: str = "", injected: Optional[str] = None) -> None:
+               result: Any, diagnosis: Optional[str] = None, detail: str = "", injected: Optional[str] = None,
+               suspect_device: Optional[str] = None) -> None:
         record = RejectedResult(
             time=self._clock(), iteration=iteration, rank=rank, host=host, device=device, status=status,
             message=message, result=describe_result(result) if result is not None else None,
-            diagnosis=diagnosis, detail=detail,
+            diagnosis=diagnosis, detail=detail, suspect_device=suspect_device,
         )
         self._log.append(record)
         fields = {k: v for k, v in dataclasses.asdict(record).items() if k not in ("time", "rank")}
