@@ -68,7 +68,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--tag", default="run")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--mode", default="validate_results")
-    p.add_argument("--identity", default="node-a/cpu:0", help="host/device this process claims to run on")
+    p.add_argument("--identity", default="node-a/cpu:0,node-a/cpu:1",
+                   help="host/device each rank claims to run on, comma-separated by rank")
     p.add_argument("--nan-at-step", type=int, default=0)
     p.add_argument("--spike-at-step", type=int, default=0)
     p.add_argument("--spiky", action="store_true")
@@ -97,7 +98,7 @@ def _train(args: argparse.Namespace) -> int:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
-    host, device = args.identity.split("/")
+    host, device = args.identity.split(",")[rank].split("/")
     config = RerunConfig(
         rerun_mode=args.mode, check_for_spiky_loss=args.spiky, spiky_loss_warmup=2, spiky_loss_min_samples=2,
         error_injection_type=args.inject_type, max_same_device_restarts=args.max_same_device_restarts,
