@@ -120,9 +120,11 @@ class SavePipeline:
             if remaining == 0.0:
                 return False
             try:
-                self._attach(self._results.get(timeout=remaining))
+                self._attach(self._results.get(timeout=min(remaining or 1.0, 1.0)))
             except queue.Empty:
-                return False
+                if self._thread is None or not self._thread.is_alive():
+                    raise CheckpointError("the checkpoint worker thread is gone; the save of "
+                                          f"step {pending.step} can never complete") from None
         return True
 
     def forget(self, pending: PendingSave) -> None:
@@ -180,7 +182,13 @@ class SavePipeline:
             if item is None:
                 return
             pending, staged = item
-            self._results.put(self._write(pending, staged))
+            try:
+                result = self._write(pending, staged)
+            except BaseException as e:  # the worker must outlive any one save
+                logger.exception("checkpoint worker: unexpected error in the save of step %d",
+                                 pending.step)
+                result = SaveResult(pending.generation, [], None, e, 0.0)
+            self._results.put(result)
 
     def _write(self, pending: PendingSave, staged: StagedState) -> SaveResult:
         began = self._clock()
@@ -218,14 +226,14 @@ def remove_rank_files(directory: str, rank: int) -> None:
     prefix = rank_prefix(rank) + "."
     try:
         names = os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:  # never created, already removed, or not a directory
         return
     for name in names:
         if name.startswith(prefix):
             try:
                 os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+            except OSError as e:
+                logger.warning("could not remove %s: %r", os.path.join(directory, name), e)
     try:
         os.rmdir(directory)
     except OSError:
