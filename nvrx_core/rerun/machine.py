@@ -179,11 +179,14 @@ class RerunStateMachine:
 
     # ------------------------------------------------------------- step phases
     def _begin_step(self, data_iterator: Any) -> bool:
+        if self.mode is RerunMode.DISABLED:
+            self._apply(E.BEGIN_STEP)
+            self.current_iteration += 1
+            return True
+        iterators = self._as_iterators(data_iterator)
         self._apply(E.BEGIN_STEP)
         self.current_iteration += 1
-        if self.mode is RerunMode.DISABLED:
-            return True
-        self._iterators = self._as_iterators(data_iterator)
+        self._iterators = iterators
         if self._loaded_iterator_states is not None:
             self._load_iterator_states(self._iterators)
         for it in self._live_iterators():

@@ -3,7 +3,9 @@
 A median ignores the odd earlier spike that was accepted, and a rolling window follows the
 loss as it falls; the first losses (warm-up) fall too fast to form a baseline and are
 skipped. A loss is spiky when it is above `factor` x the baseline (a baseline <= 0 flags
-nothing: a ratio means nothing there). NaN/Inf are the NaN check's business, never a spike.
+nothing: a ratio means nothing there). NaN compares with nothing, so it is never a spike
+(the NaN check catches it); +Inf is above every multiple, so it is one. Neither enters the
+baseline.
 
 Two implementations of the same rule: for a Python number a sorted window answers with a
 bool; for a tensor the window is a tensor on the loss's device and the answer a 0-d bool
