@@ -1,0 +1,211 @@
+"""Checkpointing across real gloo ranks: the global commit protocol, local find_latest
+agreement, restoring a lost node from peer replicas, and the fallback to the persistent
+checkpoint. Each scenario runs as separate processes (this file run as a script).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+HERE = os.path.abspath(__file__)
+
+
+# ---- launcher (test side) ----------------------------------------------------------------
+
+def launch(scenario: str, world_size: int, args: dict, timeout: float = 150.0) -> list:
+    """Run `scenario` on `world_size` real processes joined by a gloo process group;
+    returns each rank's result JSON. The test process hosts the rendezvous store."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = args["out"]
+    os.makedirs(out, exist_ok=True)
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
+                   NVRX_TEST_STORE_PORT=str(store.port), OMP_NUM_THREADS="1")
+        log = open(os.path.join(out, f"{scenario}.rank{rank}.log"), "w")
+        procs.append((subprocess.Popen([sys.executable, HERE, scenario, json.dumps(args)],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, _ in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    codes = [proc.returncode for proc, _ in procs]
+    if any(codes):
+        logs = "".join(open(os.path.join(out, f"{scenario}.rank{r}.log")).read()[-3000:]
+                       for r in range(world_size))
+        pytest.fail(f"{scenario}: exit codes {codes}\n{logs}")
+    results = []
+    for rank in range(world_size):
+        with open(os.path.join(out, f"{scenario}.rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+# ---- scenarios (rank side) ---------------------------------------------------------------
+
+def rank_state(rank: int, step: int) -> dict:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(300, generator=gen), "meta": {"rank": rank, "step": step}}
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and a["meta"] == b["meta"]
+
+
+def node_root(args: dict, rank: int) -> str:
+    return os.path.join(args["base"], "local", f"node{rank // 2}")
+
+
+def scenario_global(args: dict, rank: int, world: int) -> dict:
+    from nvrx_core.checkpoint import AsyncCheckpointer, read_manifest
+
+    root = os.path.join(args["base"], "global")
+    ckpt = AsyncCheckpointer(root)
+    for step in (1, 2):
+        ckpt.save(rank_state(rank, step), step)
+        ckpt.finalize(blocking=True)
+    manifest = read_manifest(ckpt.store.path(2)).to_json()
+    dist.barrier()
+    if rank == 0:   # damage rank 1's shard of the newest step
+        path = os.path.join(ckpt.store.path(2), "rank_00001.data0")
+        with open(path, "r+b") as f:
+            f.seek(17)
+            byte = f.read(1)
+            f.seek(17)
+            f.write(bytes([byte[0] ^ 0x5A]))
+    dist.barrier()
+    step, state = ckpt.load_latest()
+    ckpt.close()
+    return {"manifest": manifest, "loaded_step": step,
+            "loaded_ok": same_state(state, rank_state(rank, step))}
+
+
+def scenario_local_find_latest(args: dict, rank: int, world: int) -> dict:
+    from nvrx_core.checkpoint import LocalCheckpointConfig, LocalCheckpointManager
+
+    manager = LocalCheckpointManager(node_root(args, rank), LocalCheckpointConfig(keep_last=5))
+    for step in (10, 20, 30):
+        if rank == 2 and step == 30:
+            continue   # rank 2 never got step 30 (e.g. it failed before the save)
+        manager.save(rank_state(rank, step), step)
+        manager.finalize(blocking=True)
+    own_steps = manager.store.steps()
+    latest = manager.find_latest()
+    loaded = manager.load()
+    manager.close()
+    return {"own_steps": own_steps, "latest": latest, "loaded_step": loaded.step,
+            "source": loaded.source, "loaded_ok": same_state(loaded.state, rank_state(rank, 20))}
+
+
+def _managers(args: dict, rank: int):
+    from nvrx_core.checkpoint import (AsyncCheckpointer, LocalCheckpointConfig,
+                                      LocalCheckpointManager)
+
+    config = LocalCheckpointConfig(replication_factor=1, ranks_per_node=2, keep_last=2)
+    return (LocalCheckpointManager(node_root(args, rank), config),
+            AsyncCheckpointer(os.path.join(args["base"], "global")))
+
+
+def scenario_replicated_save(args: dict, rank: int, world: int) -> dict:
+    local, persistent = _managers(args, rank)
+    for step in (10, 20):
+        local.save(rank_state(rank, step), step)
+        local.finalize()
+    persistent.save(rank_state(rank, 20), 20)
+    local.close()
+    persistent.close()
+    return {"own_steps": local.store.steps(),
+            "held": {src: local._replica_store(src).steps() for src in local.sources}}
+
+
+def scenario_restore(args: dict, rank: int, world: int) -> dict:
+    local, persistent = _managers(args, rank)
+    latest = local.find_latest()
+    from_replicas = local.load(fallback=persistent.load_latest)
+    restored_steps = local.store.steps()
+    dist.barrier()
+    if rank == 0:   # now every node loses its local storage
+        shutil.rmtree(os.path.join(args["base"], "local"))
+    dist.barrier()
+    local, _ = _managers(args, rank)
+    from_global = local.load(fallback=persistent.load_latest)
+    persistent.close()
+    return {"latest": latest, "step": from_replicas.step, "source": from_replicas.source,
+            "ok": same_state(from_replicas.state, rank_state(rank, 20)),
+            "restored_steps": restored_steps, "global_step": from_global.step,
+            "global_source": from_global.source,
+            "global_ok": same_state(from_global.state, rank_state(rank, 20))}
+
+
+def main() -> None:
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", int(os.environ["NVRX_TEST_STORE_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    result = globals()[f"scenario_{scenario}"](args, rank, world)
+    with open(os.path.join(args["out"], f"{scenario}.rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- tests -------------------------------------------------------------------------------
+
+@pytest.mark.timeout(200)
+def test_global_commit_merges_every_rank_and_corruption_on_one_rank_is_skipped_by_all(tmp_path):
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    results = launch("global", 2, args)
+    manifest = results[0]["manifest"]
+    assert manifest["world_size"] == 2 and manifest["step"] == 2
+    assert sorted(manifest["ranks"]) == ["0", "1"]
+    assert all(name in manifest["files"] for names in manifest["ranks"].values() for name in names)
+    # rank 1's step-2 shard was damaged: both ranks agree on step 1, each with its own state
+    assert [r["loaded_step"] for r in results] == [1, 1]
+    assert all(r["loaded_ok"] for r in results)
+
+
+@pytest.mark.timeout(200)
+def test_local_find_latest_is_the_newest_step_every_rank_has(tmp_path):
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    results = launch("local_find_latest", 4, args)
+    assert results[2]["own_steps"] == [10, 20]
+    assert all(results[r]["own_steps"] == [10, 20, 30] for r in (0, 1, 3))
+    assert [r["latest"] for r in results] == [20] * 4
+    assert [(r["loaded_step"], r["source"]) for r in results] == [(20, "local")] * 4
+    assert all(r["loaded_ok"] for r in results)
+
+
+@pytest.mark.timeout(300)
+def test_lost_node_is_restored_from_replicas_then_falls_back_to_global(tmp_path):
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    saved = launch("replicated_save", 4, args)
+    # ranks 0,1 live on node0, ranks 2,3 on node1; each shard has a copy on the other node
+    assert [r["held"] for r in saved] == [{"2": [10, 20]}, {"3": [10, 20]},
+                                          {"0": [10, 20]}, {"1": [10, 20]}]
+    shutil.rmtree(tmp_path / "local" / "node1")
+    results = launch("restore", 4, args)
+    assert [r["latest"] for r in results] == [20] * 4
+    assert [r["source"] for r in results] == ["local", "local", "replica", "replica"]
+    assert all(r["ok"] and r["step"] == 20 for r in results)
+    assert [r["restored_steps"] for r in results][2:] == [[20], [20]]   # node1 rebuilt
+    assert [(r["global_step"], r["global_source"]) for r in results] == [(20, "global")] * 4
+    assert all(r["global_ok"] for r in results)
+
+
+if __name__ == "__main__":
+    main()
