@@ -1,0 +1,152 @@
+"""DistributedSignalHandler in one process: installation rules, real signals, the N-step
+agreement cadence, DataLoader worker policies and config validation."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from torch.utils.data import DataLoader, Dataset
+
+from nvrx_core.config import ConfigError
+from nvrx_core.events import EventLog, read_events
+from nvrx_core.exit_codes import ExitCode
+from nvrx_core.preemption import (PREEMPTION_AGREED, DistributedSignalHandler, PreemptionConfig,
+                                  WorkerSignalPolicy)
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_install_records_signals_and_release_restores_the_previous_handler():
+    previous = signal.getsignal(signal.SIGUSR1)
+    handler = DistributedSignalHandler(PreemptionConfig(signals=["SIGUSR1"]), process_group=None)
+    with handler:
+        assert handler.installed and not handler.signaled
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: handler.signaled)
+        os.kill(os.getpid(), signal.SIGUSR1)      # a second signal is only recorded
+        assert wait_for(lambda: len(handler.received) == 2)
+        assert handler.received == [signal.SIGUSR1, signal.SIGUSR1]
+    assert signal.getsignal(signal.SIGUSR1) is previous
+    handler.release()                             # idempotent
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_install_only_on_the_main_thread_and_only_once():
+    handler = DistributedSignalHandler(PreemptionConfig(signals=["SIGUSR2"]), process_group=None)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(_install_error(handler)))
+    thread.start()
+    thread.join()
+    assert "main thread" in str(errors[0]) and not handler.installed
+    with handler:
+        with pytest.raises(RuntimeError, match="already installed"):
+            handler.install()
+
+
+def _install_error(handler):
+    try:
+        handler.install()
+    except RuntimeError as e:
+        return e
+    return None
+
+
+def test_ranks_check_only_every_n_steps_and_the_answer_sticks(tmp_path):
+    events = EventLog(str(tmp_path / "events.jsonl"), rank=0)
+    config = PreemptionConfig(signals=["SIGUSR1"], check_every_n_steps=10)
+    with DistributedSignalHandler(config, process_group=None, events=events) as handler:
+        assert not handler.should_stop(0)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: handler.signaled)
+        assert [handler.should_stop(s) for s in range(1, 10)] == [False] * 9
+        assert handler.should_stop(10)
+        assert handler.should_stop(11)            # agreed once, no further checks needed
+    agreed = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == PREEMPTION_AGREED]
+    assert len(agreed) == 1 and agreed[0]["step"] == 10 and agreed[0]["signals_here"] == ["SIGUSR1"]
+
+
+def test_exit_preempted_uses_the_preempted_exit_code():
+    handler = DistributedSignalHandler(process_group=None)
+    with pytest.raises(SystemExit) as exit_info:
+        handler.exit_preempted()
+    assert exit_info.value.code == ExitCode.PREEMPTED == 18
+
+
+class Pids(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return os.getpid()
+
+
+def proc_state(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["ignore", "default"])
+def test_dataloader_workers_follow_the_configured_policy(policy):
+    config = PreemptionConfig(signals=["SIGTERM"], dataloader_workers=policy)
+    with DistributedSignalHandler(config, process_group=None) as handler:
+        loader = DataLoader(Pids(), batch_size=1, num_workers=1,
+                            worker_init_fn=handler.worker_init_fn)
+        batches = iter(loader)
+        worker = int(next(batches))
+        assert worker != os.getpid()
+        os.kill(worker, signal.SIGTERM)       # as a scheduler signalling the process group
+        if policy == "ignore":
+            more = [int(next(batches)) for _ in range(4)]
+            assert more == [worker] * 4 and proc_state(worker) not in ("Z", "gone")
+            assert [int(b) for b in batches] == [worker]
+        else:
+            # torch's SIGCHLD hook raises as soon as the worker dies, or the next fetch does
+            with pytest.raises(RuntimeError, match="exited unexpectedly|killed by signal"):
+                wait_for(lambda: proc_state(worker) in ("Z", "gone"), timeout=30)
+                for _ in batches:
+                    pass
+        assert not handler.signaled           # the worker's signal never reached the trainer
+
+
+def test_worker_policy_is_picklable_and_chains_the_users_init_fn():
+    import pickle
+
+    seen = []
+    WorkerSignalPolicy([int(signal.SIGUSR2)], "inherit", then=seen.append)(3)
+    assert seen == [3]
+    plain = DistributedSignalHandler(process_group=None).worker_init_fn
+    assert pickle.loads(pickle.dumps(plain)) == plain
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"signals": ["SIGKILL"]}, "signals='SIGKILL': cannot be caught"),
+    ({"signals": ["SIGNOPE"]}, "signals='SIGNOPE': is not a signal name"),
+    ({"signals": []}, "signals=\\[\\]: must be a non-empty list"),
+    ({"check_every_n_steps": 0}, "check_every_n_steps=0: must be an integer >= 1"),
+    ({"dataloader_workers": "kill"}, "dataloader_workers='kill': must be one of"),
+])
+def test_config_errors_name_field_value_and_rule(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        PreemptionConfig(**overrides)
+
+
+def test_config_from_yaml(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("trainer:\n  preemption:\n    signals: [SIGUSR1, SIGTERM]\n"
+                    "    check_every_n_steps: 4\n")
+    config = PreemptionConfig.from_sources(str(path), {"dataloader_workers": "default"})
+    assert config.signals == ["SIGUSR1", "SIGTERM"] and config.check_every_n_steps == 4
+    assert config.dataloader_workers == "default"
