@@ -28,23 +28,29 @@ def detector(**kw):
     return SpikyLossDetector(**args)
 
 
-@pytest.mark.parametrize("as_tensor", [False, True], ids=["number", "tensor"])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["host", "tensor-ops"])
 def test_normal_curve_is_never_spiky_and_a_synthetic_spike_is(as_tensor):
     curve = noisy_decreasing_curve()
     spiked = list(curve)
     spiked[400] = curve[400] * 25
     for losses, expected in ((curve, []), (spiked, [400])):
-        check = detector()
+        check = detector(tensor_ops_on_cpu=as_tensor)
         flags = [check(torch.tensor(v) if as_tensor else v) for v in losses]
         if as_tensor:
             assert all(f.dtype == torch.bool and f.dim() == 0 for f in flags)
         assert [i for i, f in enumerate(flags) if bool(f)] == expected
 
 
-def test_tensor_and_number_paths_agree_and_share_state():
+def test_tensor_and_host_paths_agree_and_share_state():
     losses = noisy_decreasing_curve(300, seed=3) + [50.0, float("nan"), float("inf"), 0.5]
-    on_host, on_tensor = detector(window=30), detector(window=30)
-    assert [on_host(v) for v in losses] == [bool(on_tensor(torch.tensor(v))) for v in losses]
+    on_host, on_tensor = detector(window=30), detector(window=30, tensor_ops_on_cpu=True)
+    assert [on_host(torch.tensor(v)) for v in losses] == [bool(on_tensor(torch.tensor(v))) for v in losses]
+    # A detector moves its window between the paths when its input changes kind.
+    reference, switching = detector(window=30), detector(window=30, tensor_ops_on_cpu=True)
+    expected = [reference(v) for v in losses]
+    flags = [bool(switching(torch.tensor(v))) if i % 2 else switching(v) for i, v in enumerate(losses)]
+    assert flags == expected and sum(expected) >= 2
+    assert switching.baseline == pytest.approx(reference.baseline, rel=1e-6)
     assert on_host.baseline == pytest.approx(on_tensor.baseline, rel=1e-6)
     assert on_host.state_dict()["observed"] == on_tensor.state_dict()["observed"] == len(losses)
 

@@ -34,7 +34,7 @@ def batches(nan_at=None, width=4):
 class Loop:
     """A minimal training loop following the protocol (zero_grad inside the rerun loop)."""
 
-    def __init__(self, tmp_path=None, width=4, hidden=8, nan_at=None, **config):
+    def __init__(self, tmp_path=None, width=4, hidden=8, nan_at=None, tensor_ops_on_cpu=False, **config):
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(
             torch.nn.Linear(width, hidden), torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 1)
@@ -46,6 +46,7 @@ class Loop:
         self.captures = 0
         self.machine = RerunStateMachine(
             RerunConfig(**config), device_identity=ONE, events=EventLog(self.events_path),
+            tensor_ops_on_cpu=tensor_ops_on_cpu,
         )
         self.data = RerunDataIterator(batches(nan_at, width))
 
@@ -299,7 +300,9 @@ class SyncCounter(torch.Tensor):
 
 
 def test_checks_read_back_once_per_step():
-    loop = Loop(rerun_mode="validate_results", check_for_spiky_loss=True, spiky_loss_warmup=0, spiky_loss_min_samples=1)
+    """The accelerator path (forced on CPU tensors): NaN and spike checks, then one read for the vote."""
+    loop = Loop(rerun_mode="validate_results", check_for_spiky_loss=True, spiky_loss_warmup=0, spiky_loss_min_samples=1,
+                tensor_ops_on_cpu=True)
     for _ in range(5):
         SyncCounter.reads = []
         losses, decision = loop.step(lambda loss: loop.machine.validate_loss(loss.detach().as_subclass(SyncCounter)))

@@ -10,7 +10,8 @@ from nvrx_core.rerun.adapters import CallbackStateAdapter, DeviceIdentity, RngSt
 from nvrx_core.rerun.config import RerunConfig, RerunDiagnostic, RerunMode, RerunStateMachineConfig
 from nvrx_core.rerun.data import RerunDataIterator
 from nvrx_core.rerun.injection import RerunErrorInjector
-from nvrx_core.rerun.machine import RerunStateMachine, RerunValidationError, reject_non_finite
+from nvrx_core.rerun.checks import reject_non_finite
+from nvrx_core.rerun.machine import RerunStateMachine, RerunValidationError
 from nvrx_core.rerun.persist import RerunStateError
 from nvrx_core.rerun.report import RejectedResult, iterations_to_skip, read_rejected_results
 from nvrx_core.rerun.spiky import SpikyLossDetector

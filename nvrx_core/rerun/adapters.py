@@ -66,11 +66,10 @@ class RngStateAdapter:
         self.device = torch.device("cpu") if device is None else torch.device(device)
 
     def capture(self) -> dict:
-        version, internal, gauss = random.getstate()
         snapshot = {
             "torch_cpu": torch.get_rng_state(),
             "torch_cuda": None,
-            "python": [version, list(internal), gauss],
+            "python": random.getstate(),  # a tuple of ints: plain data
             "numpy": None,
         }
         if self.device.type == "cuda":

@@ -51,9 +51,9 @@ class CollectiveVote:
         reduced where it lives and read back once.
         """
         if isinstance(local, torch.Tensor):
-            value = local.reshape(()).to(torch.int32)
             if not self.active:
-                return int(value.item())
+                return int(local.item())
+            value = local.reshape(()).to(torch.int32)
             if value.device != self.device:
                 value = torch.tensor(int(value.item()), dtype=torch.int32, device=self.device)
         else:

@@ -6,7 +6,7 @@ must be re-checked in a resumed job, the microbatches themselves go into the che
 the resumed job may not be able to regenerate them (shuffling, streaming data).
 """
 
-from typing import Any, Iterable, Iterator, List
+from typing import Any, Iterable, Iterator, List, Optional
 
 FORMAT_VERSION = 1
 
@@ -89,3 +89,15 @@ def check_state_dict(state: Any, field: str) -> None:
         raise ValueError(f"{field}.batches={batches!r}: must be a list of microbatches or None")
     if batches is not None and len(batches) > drawn:
         raise ValueError(f"{field}.batches: holds {len(batches)} microbatches but only {drawn} were drawn")
+
+
+def as_rerun_iterators(data_iterator: Any, who: str) -> List[Optional[RerunDataIterator]]:
+    """None, one iterator, or a list of them (None for a pipeline stage without data), checked."""
+    if data_iterator is None:
+        return []
+    items = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    for it in items:
+        if it is not None and not isinstance(it, RerunDataIterator):
+            raise TypeError(f"{who} replays microbatches: wrap the data iterator in RerunDataIterator "
+                            f"(got {type(it).__name__})")
+    return items

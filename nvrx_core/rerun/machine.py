@@ -22,29 +22,31 @@ The states and their transitions are the table in `states.py`; each protocol cal
 into one event, agreed by all ranks with one integer all-reduce.
 """
 
+import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from nvrx_core.events import EventLog
+from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import report
 from nvrx_core.rerun.adapters import DeviceIdentity, RngStateAdapter, StateAdapter, local_device_identity
+from nvrx_core.rerun.checks import reject_non_finite
 from nvrx_core.rerun.collective import CollectiveVote
 from nvrx_core.rerun.config import RerunConfig, RerunMode
-from nvrx_core.rerun.data import RerunDataIterator
+from nvrx_core.rerun.data import RerunDataIterator, as_rerun_iterators
 from nvrx_core.rerun.injection import RerunErrorInjector
-from nvrx_core.rerun.persist import FORMAT_VERSION, FailedCall, RerunStateError, parse_state_dict
-from nvrx_core.rerun.run import RunChecks
+from nvrx_core.rerun.persist import FORMAT_VERSION, FailedCall, apply_iterator_states, parse_state_dict
+from nvrx_core.rerun.run import RunChecks, as_flag
 from nvrx_core.rerun.spiky import SpikyLossDetector
 from nvrx_core.rerun.states import (
     CHECKPOINTABLE_STATES, EXIT_REQUESTS, RerunEvent, RerunState, next_state, vote_code, voted_event,
 )
 from nvrx_core.rerun.stats import DeterminismStats, combine_ranks, relative_difference
-from nvrx_core.exit_codes import ExitCode
 
 logger = logging.getLogger("nvrx.rerun")
 
@@ -54,14 +56,6 @@ ComparisonFunc = Callable[[Any, Any], Any]
 
 class RerunValidationError(RuntimeError):
     """A fatal check rejected a result while reruns are disabled (Megatron-LM raises here too)."""
-
-
-def reject_non_finite(result: Any) -> Any:
-    """Rejection function of the NaN check: a 0-d tensor for a tensor (no sync), else a bool."""
-    if isinstance(result, torch.Tensor):
-        return ~torch.isfinite(result.detach()).all()
-    value = float(result)
-    return value != value or value in (float("inf"), float("-inf"))
 
 
 class RerunStateMachine:
@@ -76,10 +70,12 @@ class RerunStateMachine:
         events: Optional[EventLog] = None,
         injector: Optional[RerunErrorInjector] = None,
         clock: Callable[[], float] = time.time,
+        tensor_ops_on_cpu: bool = False,
     ):
         """`device`: where the step computes (default: the process group's device, CPU for gloo).
         `device_identity`: overrides the detected one (a test simulating "another GPU").
         `state_adapters`: what a rerun restores (default: every RNG); add CallbackStateAdapters for more.
+        `tensor_ops_on_cpu`: check CPU tensors the way accelerator tensors are checked (see checks.py).
         """
         self.config = config
         self.mode: RerunMode = config.rerun_mode
@@ -98,6 +94,8 @@ class RerunStateMachine:
             report.RejectedResultsLog(config.result_rejected_tracker_filename), self._events, clock
         )
         self._injector = injector or RerunErrorInjector(config.error_injection_rate, config.error_injection_type)
+        self._tensor_ops_on_cpu = tensor_ops_on_cpu
+        self._reject_non_finite = functools.partial(reject_non_finite, tensor_ops_on_cpu=tensor_ops_on_cpu)
         self._spiky = self._new_spiky_detector()
         self._stats = DeterminismStats()
         self._run = RunChecks()
@@ -137,7 +135,7 @@ class RerunStateMachine:
         Keep `result` unmodified until the step ends: the machine holds a reference.
         """
         if self.mode is RerunMode.DISABLED:
-            if bool(rejection_func(result)):
+            if bool(as_flag(rejection_func(result))):
                 self._reject_while_disabled(result, message, fatal)
             return
         compare = comparison_func or relative_difference
@@ -169,7 +167,7 @@ class RerunStateMachine:
     def validate_loss(self, loss: Any, tolerance: float = 0.0) -> None:
         """The configured loss checks: NaN/Inf (fatal) and spiky loss (not fatal)."""
         if self.config.check_for_nan_in_loss:
-            self.validate_result(loss, reject_non_finite, "NaN/Inf loss", tolerance=tolerance, fatal=True)
+            self.validate_result(loss, self._reject_non_finite, "NaN/Inf loss", tolerance=tolerance, fatal=True)
         if self.config.check_for_spiky_loss:
             self.validate_result(loss, self.is_spiky_loss, "spiky loss", tolerance=tolerance, fatal=False)
 
@@ -236,12 +234,11 @@ class RerunStateMachine:
             self._record(report.FIRST_RERUN_NOT_REPRODUCIBLE, failed, self._run.rerun_result,
                          diagnosis="transient_error",
                          detail=f"did not reproduce on the same device ({self.identity}): transient error")
-            self._failed = None
         self._apply(event)
+        if event is not E.REPRODUCED or local is not E.REPRODUCED:
+            self._failed = None  # nothing left for this rank to follow up
         if event is E.REPRODUCED:
             self._restore_step_start()  # the exit checkpoint must hold the state before the step
-        else:
-            self._failed = None
         return False
 
     def _begin_rerun_from_checkpoint(self, iterators: List[Optional[RerunDataIterator]]) -> bool:
@@ -318,36 +315,19 @@ class RerunStateMachine:
                               event=event.value, exit_code=int(code), checkpoint=checkpoint)
 
     def _as_iterators(self, data_iterator: Any) -> List[Optional[RerunDataIterator]]:
-        if data_iterator is None:
-            return []
-        items = list(data_iterator) if isinstance(data_iterator, (list, tuple)) else [data_iterator]
-        for it in items:
-            if it is not None and not isinstance(it, RerunDataIterator):
-                raise TypeError(
-                    f"rerun_mode={self.mode.value} replays microbatches: wrap the data iterator in "
-                    f"RerunDataIterator (got {type(it).__name__})"
-                )
-        return items
+        return as_rerun_iterators(data_iterator, f"rerun_mode={self.mode.value}")
 
     def _live_iterators(self) -> List[RerunDataIterator]:
         return [it for it in self._iterators if it is not None]
 
     def _load_iterator_states(self, iterators: List[Optional[RerunDataIterator]]) -> None:
         states, self._loaded_iterator_states = self._loaded_iterator_states or [], None
-        if len(states) != len(iterators):
-            message = (f"the checkpoint holds state for {len(states)} data iterator(s), but "
-                       f"should_run_forward_backward() got {len(iterators)}")
-            if any(s is not None and s["batches"] is not None for s in states):
-                raise RerunStateError(message + ": the step to re-check needs its microbatches")
-            logger.warning("rerun: %s; their draw counters start from 0", message)
-            return
-        for it, state in zip(iterators, states):
-            if it is not None and state is not None:
-                it.load_state_dict(state)
+        apply_iterator_states(iterators, states)
 
     def _new_spiky_detector(self) -> SpikyLossDetector:
         c = self.config
-        return SpikyLossDetector(c.spiky_loss_factor, c.spiky_loss_window, c.spiky_loss_warmup, c.spiky_loss_min_samples)
+        return SpikyLossDetector(c.spiky_loss_factor, c.spiky_loss_window, c.spiky_loss_warmup,
+                                 c.spiky_loss_min_samples, self._tensor_ops_on_cpu)
 
     @property
     def diagnoses(self) -> List[report.RejectedResult]:
@@ -424,17 +404,8 @@ class RerunStateMachine:
         """
         if self.state is not S.NOT_RUNNING_YET:
             raise RuntimeError(f"load_state_dict() called in state {self.state.value!r}: load between steps")
-        loaded = parse_state_dict(state, len(self._adapters))
-        for i, (adapter, snapshot) in enumerate(zip(self._adapters, loaded.saved_state or [])):
-            try:
-                adapter.check_snapshot(snapshot, f"saved_state[{i}]")
-            except ValueError as e:
-                raise RerunStateError(f"rerun state: {e}") from None
         spiky = self._new_spiky_detector()
-        try:
-            spiky.load_state_dict(loaded.spiky_loss)
-        except ValueError as e:
-            raise RerunStateError(f"rerun state: {e}") from None
+        loaded = parse_state_dict(state, self._adapters, spiky)
         pending = loaded.state is S.WILL_RERUN_FROM_CHECKPOINT
         iterator_states = loaded.data_iterators
         if pending and (abandon_pending_rerun or self.mode is not RerunMode.VALIDATE_RESULTS):

@@ -7,14 +7,18 @@ several steps later inside the protocol.
 """
 
 import dataclasses
-from typing import Any, List, Optional
+import logging
+from typing import Any, List, Optional, Sequence
 
 import torch
 
-from nvrx_core.rerun.adapters import DeviceIdentity
+from nvrx_core.rerun.adapters import DeviceIdentity, StateAdapter
 from nvrx_core.rerun.config import RerunDiagnostic, RerunMode
-from nvrx_core.rerun.data import check_state_dict as check_iterator_state
+from nvrx_core.rerun.data import RerunDataIterator, check_state_dict as check_iterator_state
+from nvrx_core.rerun.spiky import SpikyLossDetector
 from nvrx_core.rerun.states import CHECKPOINTABLE_STATES, RerunState
+
+logger = logging.getLogger("nvrx.rerun")
 
 FORMAT_VERSION = 1
 KEYS = (
@@ -94,7 +98,6 @@ class MachineCheckpoint:
     failed_call: Optional[FailedCall]
     saved_state: Optional[List[Any]]
     data_iterators: List[Optional[dict]]
-    spiky_loss: dict
 
 
 def _require(condition: bool, field: str, value: Any, rule: str) -> None:
@@ -106,8 +109,9 @@ def _require_count(value: Any, field: str, low: int) -> None:
     _require(isinstance(value, int) and not isinstance(value, bool) and value >= low, field, value, f"must be an integer >= {low}")
 
 
-def parse_state_dict(data: Any, adapters_count: int) -> MachineCheckpoint:
-    """Check every field of a state written by RerunStateMachine.state_dict()."""
+def parse_state_dict(data: Any, adapters: Sequence[StateAdapter], spiky: SpikyLossDetector) -> MachineCheckpoint:
+    """Check every field of a state written by RerunStateMachine.state_dict(); load `spiky` from it."""
+    adapters_count = len(adapters)
     _require(isinstance(data, dict), "state", type(data).__name__, "must be a mapping (from RerunStateMachine.state_dict())")
     _require(data.get("format_version") == FORMAT_VERSION, "format_version", data.get("format_version"), f"must be {FORMAT_VERSION}")
     missing = [k for k in KEYS if k not in data]
@@ -158,9 +162,28 @@ def parse_state_dict(data: Any, adapters_count: int) -> MachineCheckpoint:
             pending or it["batches"] is None, f"data_iterators[{i}].batches", "set",
             "microbatches are only saved for a pending rerun",
         )
-    _require(isinstance(data["spiky_loss"], dict), "spiky_loss", type(data["spiky_loss"]).__name__, "must be a mapping")
+    try:
+        for i, (adapter, snapshot) in enumerate(zip(adapters, saved or [])):
+            adapter.check_snapshot(snapshot, f"saved_state[{i}]")
+        spiky.load_state_dict(data["spiky_loss"])
+    except ValueError as e:
+        raise RerunStateError(f"rerun state: {e}") from None
     return MachineCheckpoint(
         mode=mode, state=state, current_iteration=data["current_iteration"],
         same_device_restarts=data["same_device_restarts"], failed_call=failed,
-        saved_state=saved, data_iterators=iterators, spiky_loss=data["spiky_loss"],
+        saved_state=saved, data_iterators=iterators,
     )
+
+
+def apply_iterator_states(iterators: List[Optional[RerunDataIterator]], states: List[Optional[dict]]) -> None:
+    """Give the resumed job's data iterators the loaded states (counters, and microbatches to replay)."""
+    if len(states) != len(iterators):
+        message = (f"the checkpoint holds state for {len(states)} data iterator(s), but "
+                   f"should_run_forward_backward() got {len(iterators)}")
+        if any(s is not None and s["batches"] is not None for s in states):
+            raise RerunStateError(message + ": the step to re-check needs its microbatches")
+        logger.warning("rerun: %s; their draw counters start from 0", message)
+        return
+    for it, state in zip(iterators, states):
+        if it is not None and state is not None:
+            it.load_state_dict(state)

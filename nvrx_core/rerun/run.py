@@ -29,6 +29,13 @@ class Check:
     injected: Optional[RerunDiagnostic]
 
 
+def as_flag(flag: Any) -> Flag:
+    """A rejection function's answer as a bool or a one-element tensor (any element rejects)."""
+    if isinstance(flag, torch.Tensor):
+        return flag if flag.numel() == 1 else flag.any()
+    return bool(flag)
+
+
 def _detached(result: Any) -> Any:
     return result.detach() if isinstance(result, torch.Tensor) else result
 
@@ -64,10 +71,9 @@ class RunChecks:
         if not self._injected:
             injected = injector.draw()
             self._injected = injected is not None
-        if injected is not None:
-            flag = True
-        elif not isinstance(flag, torch.Tensor):
-            flag = bool(flag)
+        flag = True if injected is not None else as_flag(flag)
+        if flag is False:
+            return  # accepted on the spot: nothing to keep
         self.checks.append(Check(message, sequence, _detached(result), flag, fatal, injected))
 
     def any_rejected(self) -> Flag:
@@ -77,6 +83,8 @@ class RunChecks:
         flags = [c.flag for c in self.checks if isinstance(c.flag, torch.Tensor)]
         if not flags:
             return False
+        if len(flags) == 1:
+            return flags[0]
         device = flags[0].device
         return torch.stack([f.reshape(()).to(device) for f in flags]).any()
 

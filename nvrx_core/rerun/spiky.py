@@ -7,11 +7,10 @@ nothing: a ratio means nothing there). NaN compares with nothing, so it is never
 (the NaN check catches it); +Inf is above every multiple, so it is one. Neither enters the
 baseline.
 
-Two implementations of the same rule: for a Python number a sorted window answers with a
-bool; for a tensor the window is a tensor on the loss's device and the answer a 0-d bool
-tensor there, so checking costs no device->host sync (the machine reads all of a step's
-flags back at once). CPU tensors take the tensor path too: the code tested on CPU is the
-code that runs on a GPU.
+Two implementations of the same rule: on the host a sorted window answers with a bool;
+for a tensor on an accelerator the window is a tensor on the loss's device and the answer
+a 0-d bool tensor there, so checking costs no device->host sync (the machine reads all of
+a step's flags back at once). Which one runs is decided as in `checks.py`.
 """
 
 import bisect
@@ -21,6 +20,8 @@ from typing import Any, List, Optional, Union
 
 import torch
 
+from nvrx_core.rerun.checks import host_value, uses_tensor_ops
+
 
 def lower_median(sorted_values: List[float]) -> float:
     """The lower middle element: what torch.nanmedian returns, so both paths agree exactly."""
@@ -28,7 +29,7 @@ def lower_median(sorted_values: List[float]) -> float:
 
 
 class SpikyLossDetector:
-    def __init__(self, factor: float, window: int, warmup: int, min_samples: int):
+    def __init__(self, factor: float, window: int, warmup: int, min_samples: int, tensor_ops_on_cpu: bool = False):
         if not factor > 1 or window < 1 or warmup < 0 or not 1 <= min_samples <= window:
             raise ValueError(
                 f"SpikyLossDetector(factor={factor}, window={window}, warmup={warmup}, "
@@ -38,6 +39,7 @@ class SpikyLossDetector:
         self.window = window
         self.warmup = warmup
         self.min_samples = min_samples
+        self.tensor_ops_on_cpu = tensor_ops_on_cpu
         self.observed = 0
         self._recent: collections.deque = collections.deque()  # host path: oldest first
         self._sorted: List[float] = []
@@ -46,9 +48,9 @@ class SpikyLossDetector:
 
     def __call__(self, loss: Union[float, torch.Tensor]) -> Union[bool, torch.Tensor]:
         """Is `loss` a spike? Records it in the baseline when it is finite and not a spike."""
-        if isinstance(loss, torch.Tensor):
+        if uses_tensor_ops(loss, self.tensor_ops_on_cpu):
             return self.check_tensor(loss)
-        return self.check_number(float(loss))
+        return self.check_number(host_value(loss))
 
     def check_number(self, value: float) -> bool:
         self._move_to_host()
