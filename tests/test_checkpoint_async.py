@@ -55,6 +55,7 @@ def rich_state():
                    (torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.bool,
                     torch.complex64)},
         "strided": torch.arange(24.0).reshape(4, 6).t(),   # non-contiguous
+        "conj": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64).conj(),   # lazy view bit
         "empty": torch.empty(0, 3),
         "scalar": torch.tensor(3.5),
         "tied": [shared, shared],
@@ -249,10 +250,11 @@ def test_a_failed_save_can_be_non_fatal(tmp_path):
     failed = [e for e in read_events(events_file) if e["kind"] == CHECKPOINT_FAILED]
     assert [e["step"] for e in failed] == [2] and "Error" in failed[0]["error"]
     root.unlink()
-    (tmp_path / "kept").rename(root)             # storage is back: the same worker goes on
+    root.mkdir()                                 # storage is back: the same worker goes on
+    (tmp_path / "kept").rename(root / "step_0000000001")
     ckpt.save({"w": torch.full((4,), 3.0)}, 3)
     assert ckpt.finalize(blocking=True) == [3]
-    assert ckpt.load_latest()[0] == 3
+    assert ckpt.store.steps() == [1, 3] and ckpt.load_latest()[0] == 3
     ckpt.close()
 
 

@@ -133,10 +133,9 @@ def test_sigterm_commits_exits_18_and_resume_matches_an_uninterrupted_run(tmp_pa
     from nvrx_core.events import read_events
 
     events = str(tmp_path / "events.jsonl")
-    reference = str(tmp_path / "reference")
-    procs, _store = start_job(str(tmp_path / "ref_ckpt"), reference, events)
-    assert finish_job(procs, reference) == [0, 0]
-
+    reference = str(tmp_path / "reference")     # the uninterrupted run, alongside run 1
+    ref_procs, _ref_store = start_job(str(tmp_path / "ref_ckpt"), reference,
+                                      str(tmp_path / "ref_events.jsonl"))
     ckpt_root = str(tmp_path / "ckpt")
     run1 = str(tmp_path / "run1")
     procs, _store = start_job(ckpt_root, run1, events)
@@ -145,6 +144,7 @@ def test_sigterm_commits_exits_18_and_resume_matches_an_uninterrupted_run(tmp_pa
     wait_for(lambda: os.path.exists(os.path.join(run1, "saving.rank1")), 60, "the save", run1)
     procs[1].send_signal(signal.SIGTERM)                 # again, while the save is in flight
     assert finish_job(procs, run1) == [18, 18]
+    assert finish_job(ref_procs, reference) == [0, 0]
     reports = [report(run1, r) for r in range(2)]
     stopped = reports[0]["stopped_at"]
     assert reports[1]["stopped_at"] == stopped and stopped % CHECK_EVERY == 0 and stopped >= 20

@@ -5,13 +5,15 @@
         train_step()
         if step % 100 == 0:
             ckpt.save({"model": model.state_dict(), "optim": opt.state_dict()}, step)
-        ckpt.finalize()          # commits saves whose writes finished; raises their errors
-    ckpt.close()                 # waits for and commits what is still in flight
+        ckpt.finalize()          # reports saves committed since; raises their errors
+    ckpt.close()                 # waits for what is still in flight
 
-Every rank calls save/finalize/abort/close in the same order (they are collective when
-torch.distributed is initialized). Each rank writes its own shard into a shared partial
-directory; finalize agrees across ranks that every shard of a generation is written, then
-rank 0 merges the per-rank file lists into the manifest and commits by rename.
+Every rank calls save/abort/close the same number of times in the same order. Each rank
+writes its own shard into a shared partial directory; then the background worker of
+every rank takes part in one tiny all_reduce on a gloo group of its own ("is every shard
+of this generation written?"), rank 0 merges the per-rank file lists into the manifest
+and publishes the directory by rename, and a second all_reduce tells every rank whether
+that worked. The training thread does none of this: finalize() only collects results.
 """
 
 import json
@@ -30,7 +32,7 @@ from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError
 from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, fragment_name,
                                          partial_dir_name, read_manifest, write_manifest)
 from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline, remove_rank_files
-from nvrx_core.checkpoint.shards import read_shard, shard_files
+from nvrx_core.checkpoint.shards import SaveAborted, read_shard, shard_files
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
 
 logger = logging.getLogger("nvrx.checkpoint")
@@ -41,7 +43,11 @@ CHECKPOINT_SKIPPED = "checkpoint_skipped"
 
 
 class AsyncCheckpointer:
-    """Asynchronous, atomic, verified checkpoints of every rank's state under one root."""
+    """Asynchronous, atomic, verified checkpoints of every rank's state under one root.
+
+    Construction is collective when torch.distributed is initialized (every rank of
+    `process_group` constructs one).
+    """
 
     def __init__(self, root_dir: str, config: Optional[CheckpointConfig] = None, *,
                  process_group: Any = collectives.USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
@@ -56,6 +62,8 @@ class AsyncCheckpointer:
         # directories so a crashed run's leftovers can never be mixed into this run's saves.
         self.run_id = collectives.all_reduce_max(
             [random.SystemRandom().getrandbits(63) if self.rank == 0 else 0], self._group)[0]
+        # The background workers agree on their own group, never on the training one.
+        self._settle_group = collectives.side_group(self._group)
         if self.rank == 0:
             os.makedirs(self.store.root_dir, exist_ok=True)
             removed = self.store.remove_leftovers(self.run_id)
@@ -64,6 +72,7 @@ class AsyncCheckpointer:
 
     @property
     def pending_steps(self) -> List[int]:
+        """Steps saved but not yet reported by finalize(), oldest first."""
         return [p.step for p in sorted(self._pipeline.pending.values(), key=lambda p: p.generation)]
 
     @property
@@ -74,41 +83,45 @@ class AsyncCheckpointer:
     def save(self, state_dict: Any, step: int) -> int:
         """Snapshot `state_dict` to host memory and write it in the background.
 
-        Returns the save's generation id. Finished earlier saves are committed first; if
-        max_pending_saves are already in flight, this waits for the oldest to commit.
+        Returns the save's generation id. If max_pending_saves are already in flight, this
+        first waits for the oldest to finish (and reports it like finalize()).
         """
         over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
         self._finalize(block_first=max(0, over))
         pending = self._pipeline.start(
             state_dict, step,
             lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self.run_id, gen)),
-            self._write_fragment)
+            self._settle)
         logger.debug("save of step %d staged %d bytes in %.3f s", step, pending.staged_bytes,
                      pending.blocking_seconds)
         return pending.generation
 
     def finalize(self, blocking: bool = False) -> List[int]:
-        """Commit every save whose writes finished on all ranks; returns the committed steps.
+        """Steps committed since the last call, oldest first; no communication.
 
-        With blocking=True, waits for every pending save. A failed save raises
-        CheckpointSaveError here, in the training thread (or is logged and reported as a
-        `checkpoint_failed` event when fail_on_save_error is False).
+        With blocking=True, waits for every save in flight. A failed save raises
+        CheckpointSaveError here, in the training thread, on every rank (or is logged and
+        reported as a `checkpoint_failed` event when fail_on_save_error is False).
         """
         return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
 
     def abort(self, timeout: Optional[float] = None) -> List[int]:
         """Stop every save in flight and delete its partial output; returns their steps.
 
-        Call it on every rank. Committed checkpoints are untouched.
+        Call it on every rank. A save that all ranks had already agreed to commit may
+        still be committed (it is complete); committed checkpoints are never touched.
         """
-        aborted = self._pipeline.abort_all(timeout)
-        for pending in aborted:
+        aborted = []
+        for pending in self._pipeline.abort_all(timeout):
+            if pending.result is not None and pending.result.ok:
+                continue   # it made it: committed before the cancellation was seen
             self._discard(pending)
+            aborted.append(pending.step)
             self._events.emit(CHECKPOINT_ABORTED, step=pending.step, generation=pending.generation)
-        return [p.step for p in aborted]
+        return aborted
 
     def close(self) -> None:
-        """Wait for and commit the saves in flight, then stop the background threads."""
+        """Wait for the saves in flight, then stop the background threads."""
         try:
             self.finalize(blocking=True)
         finally:
@@ -170,71 +183,94 @@ class AsyncCheckpointer:
             self._events.emit(CHECKPOINT_SKIPPED, step=step, reason=reason)
         raise CheckpointNotFoundError(f"no loadable checkpoint under {self.store.root_dir}")
 
-    # ---- commit protocol -------------------------------------------------------------------
+    # ---- completion (training thread) -------------------------------------------------------
 
     def _finalize(self, block_first: int) -> List[int]:
         committed: List[int] = []
-        while self._pipeline.pending:
-            pending = self._pipeline.oldest()
-            self._pipeline.poll()
-            if block_first > 0 and pending.result is None:
-                self._pipeline.wait(pending)
-            block_first -= 1
-            done = pending.result is not None
-            failed = done and not pending.result.ok
-            gen_max, neg_gen_min, any_running, any_failed = collectives.all_reduce_max(
-                [pending.generation, -pending.generation, int(not done), int(failed)], self._group)
-            if gen_max != -neg_gen_min:
-                raise CheckpointError(
-                    f"ranks disagree on the pending checkpoint generation ({-neg_gen_min} .. "
-                    f"{gen_max}): every rank must call save/finalize/abort in the same order")
-            if any_running:
-                break
-            if any_failed:
-                self._fail(pending, pending.result.error if failed else None)
-                continue
-            commit_error = self._commit(pending) if self.rank == 0 else None
-            if collectives.all_reduce_max([int(commit_error is not None)], self._group)[0]:
-                self._fail(pending, commit_error)
-                continue
-            self._pipeline.forget(pending)
-            committed.append(pending.step)
+        for pending in self._pipeline.take_finished(block_first):
+            if pending.result.ok:
+                committed.append(pending.step)
+            else:
+                self._report_failure(pending)
         return committed
 
-    def _write_fragment(self, pending: PendingSave, entries: Optional[List[FileEntry]]) -> None:
-        """Worker side: this rank's written files, for rank 0 to merge into the manifest."""
-        if entries is None:
-            return
+    def _report_failure(self, pending: PendingSave) -> None:
+        error = pending.result.error
+        message = f"checkpoint save of step {pending.step} failed: {error}"
+        self._events.emit(CHECKPOINT_FAILED, step=pending.step, generation=pending.generation,
+                          error=repr(error))
+        if self.config.fail_on_save_error:
+            raise CheckpointSaveError(message) from error
+        logger.error("%s (fail_on_save_error=False: training continues; the previous "
+                     "checkpoint stays the latest)", message)
+
+    def _discard(self, pending: PendingSave) -> None:
+        remove_rank_files(pending.directory, self.rank)
+        if self.world_size == 1:
+            shutil.rmtree(pending.directory, ignore_errors=True)
+
+    # ---- settling (background worker) ----------------------------------------------------
+
+    def _settle(self, pending: PendingSave, entries: Optional[List[FileEntry]],
+                error: Optional[BaseException]) -> None:
+        """Agree with every rank that this generation is fully written, commit on rank 0,
+        and agree on the outcome. Raises on every rank if the save did not become durable."""
+        if entries is not None:
+            self._write_fragment(pending, entries)
+        failed = int(entries is None or pending.cancel.is_set())
+        gen_max, neg_gen_min, any_failed = collectives.all_reduce_max(
+            [pending.generation, -pending.generation, failed], self._settle_group)
+        if gen_max != -neg_gen_min:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint generation ({-neg_gen_min} .. {gen_max}): "
+                "every rank must call save() and abort() the same number of times")
+        if any_failed:
+            self._remove_partial_dir(pending)
+            if error is not None or failed:
+                raise error or SaveAborted(f"save of step {pending.step} aborted")
+            raise CheckpointSaveError(f"the save of step {pending.step} failed on another "
+                                      "rank; see its log")
+        commit_error = None
+        if self.rank == 0:
+            try:
+                self._commit(pending, entries)
+            except Exception as e:  # every rank learns of it through the next all_reduce
+                commit_error = e
+        if collectives.all_reduce_max([int(commit_error is not None)], self._settle_group)[0]:
+            self._remove_partial_dir(pending)
+            raise commit_error or CheckpointSaveError(
+                f"rank 0 could not commit step {pending.step}; see its log")
+
+    def _remove_partial_dir(self, pending: PendingSave) -> None:
+        """Rank 0, once every rank has stopped writing into it."""
+        if self.rank == 0:
+            shutil.rmtree(pending.directory, ignore_errors=True)
+
+    def _write_fragment(self, pending: PendingSave, entries: List[FileEntry]) -> None:
+        """This rank's written files, for rank 0 to merge into the manifest."""
         durable.atomic_write_json(os.path.join(pending.directory, fragment_name(self.rank)), {
             "rank": self.rank, "step": pending.step, "generation": pending.generation,
             "run_id": f"{self.run_id:016x}", "files": {e.name: e.to_json() for e in entries}})
 
-    def _commit(self, pending: PendingSave) -> Optional[BaseException]:
+    def _commit(self, pending: PendingSave, entries: List[FileEntry]) -> None:
         """Rank 0: merge fragments into the manifest, publish the directory, apply retention."""
-        try:
-            files, ranks = {}, {}
-            for rank in range(self.world_size):
-                fragment = self._read_fragment(pending, rank)
-                for name, entry in fragment["files"].items():
-                    files[name] = FileEntry(name, int(entry["size"]), entry["checksum"])
-                ranks[rank] = shard_files(rank, list(fragment["files"]))
-            for rank in range(self.world_size):
-                os.unlink(os.path.join(pending.directory, fragment_name(rank)))
-            write_manifest(pending.directory, Manifest(
-                step=pending.step, world_size=self.world_size, generation=pending.generation,
-                run_id=self.run_id, checksum_algo=self.config.checksum, ranks=ranks, files=files))
-            path = self.store.commit(pending.directory, pending.step)
-        except Exception as e:  # handed to _fail on every rank after the status collective
-            logger.error("commit of step %d failed: %r", pending.step, e)
-            return e
+        files, ranks = {}, {}
+        for rank in range(self.world_size):
+            fragment = self._read_fragment(pending, rank)
+            for name, entry in fragment["files"].items():
+                files[name] = FileEntry(name, int(entry["size"]), entry["checksum"])
+            ranks[rank] = shard_files(rank, list(fragment["files"]))
+        for rank in range(self.world_size):
+            os.unlink(os.path.join(pending.directory, fragment_name(rank)))
+        write_manifest(pending.directory, Manifest(
+            step=pending.step, world_size=self.world_size, generation=pending.generation,
+            run_id=self.run_id, checksum_algo=self.config.checksum, ranks=ranks, files=files))
+        path = self.store.commit(pending.directory, pending.step)
         deleted = self._housekeeping(pending)
-        result = pending.result
         self._events.emit(CHECKPOINT_COMMITTED, step=pending.step, path=path,
                           generation=pending.generation, bytes=pending.staged_bytes,
-                          blocking_s=round(pending.blocking_seconds, 4),
-                          write_s=round(result.seconds, 3), deleted_steps=deleted)
+                          blocking_s=round(pending.blocking_seconds, 4), deleted_steps=deleted)
         logger.info("committed checkpoint step %d (%s)", pending.step, path)
-        return None
 
     def _housekeeping(self, pending: PendingSave) -> List[int]:
         """Retention and leftovers: a failure here does not undo the commit, it is logged."""
@@ -259,22 +295,3 @@ class AsyncCheckpointer:
             raise CheckpointError(f"{path}: belongs to save (generation, run, step)={found}, "
                                   f"expected {expected}; refusing to mix saves")
         return fragment
-
-    def _fail(self, pending: PendingSave, error: Optional[BaseException]) -> None:
-        self._pipeline.forget(pending)
-        self._discard(pending, every_rank_done=True)
-        cause = repr(error) if error is not None else "failed on another rank; see its log"
-        message = f"checkpoint save of step {pending.step} failed: {cause}"
-        self._events.emit(CHECKPOINT_FAILED, step=pending.step, generation=pending.generation,
-                          error=cause)
-        if self.config.fail_on_save_error:
-            raise CheckpointSaveError(message) from error
-        logger.error("%s (fail_on_save_error=False: training continues; the previous "
-                     "checkpoint stays the latest)", message)
-
-    def _discard(self, pending: PendingSave, every_rank_done: bool = False) -> None:
-        """Delete a save's partial output: this rank's files, and the whole directory when
-        no other rank can still be writing into it."""
-        remove_rank_files(pending.directory, self.rank)
-        if self.world_size == 1 or (every_rank_done and self.rank == 0):
-            shutil.rmtree(pending.directory, ignore_errors=True)

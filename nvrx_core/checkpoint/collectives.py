@@ -3,6 +3,7 @@
 All payloads are integers or JSON: nothing is unpickled from another rank.
 """
 
+import datetime
 import json
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -30,6 +31,17 @@ def default_group() -> Optional[dist.ProcessGroup]:
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+def side_group(group: Optional[dist.ProcessGroup],
+               timeout: Optional[datetime.timedelta] = None) -> Optional[dist.ProcessGroup]:
+    """A gloo group with the same ranks as `group`, for a background thread's collectives
+    (they must never interleave with the training thread's on one group). Collective for
+    the members only."""
+    if group is None:
+        return None
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                          timeout=timeout, use_local_synchronization=True)
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:

@@ -33,11 +33,11 @@ from nvrx_core.checkpoint.async_checkpointer import CHECKPOINT_FAILED
 from nvrx_core.checkpoint.config import LocalCheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                          CheckpointNotFoundError, CheckpointSaveError)
-from nvrx_core.checkpoint.layout import (CheckpointStore, Manifest, check_sizes,
+from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, check_sizes,
                                          partial_dir_name, rank_prefix, read_manifest,
                                          write_manifest)
 from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline
-from nvrx_core.checkpoint.shards import read_shard
+from nvrx_core.checkpoint.shards import SaveAborted, read_shard
 from nvrx_core.config import ConfigError
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
 
@@ -91,9 +91,8 @@ class LocalCheckpointManager:
         self.sources = replication.replica_sources(self.rank, self.world_size, per_node,
                                                    self.config.replication_factor)
         # A group of its own: the background worker uses it while training uses the main one.
-        self._exchange_group = dist.new_group(
-            ranks=dist.get_process_group_ranks(self._group), backend="gloo",
-            timeout=datetime.timedelta(seconds=self.config.replication_timeout_s))
+        self._exchange_group = collectives.side_group(
+            self._group, datetime.timedelta(seconds=self.config.replication_timeout_s))
 
     def _replica_store(self, src: int) -> CheckpointStore:
         return CheckpointStore(os.path.join(self.root_dir, "replicas", rank_prefix(src)))
@@ -101,24 +100,26 @@ class LocalCheckpointManager:
     # ---- saving ----------------------------------------------------------------------------
 
     def save(self, state_dict: Any, step: int) -> int:
-        """Stage `state_dict` and write this rank's shard (and replicas) in the background."""
+        """Stage `state_dict`; this rank's shard (and replicas) are written in the background."""
         over = len(self._pipeline.pending) - self._writer_config.max_pending_saves + 1
         self._finalize(block_first=max(0, over))
         pending = self._pipeline.start(
             state_dict, step,
             lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self._run_id, gen)),
-            self._replicate if self._exchange_group is not None else None)
+            self._settle)
         return pending.generation
 
     def finalize(self, blocking: bool = False) -> List[int]:
-        """Commit this rank's finished local saves (and received replicas); raise failures."""
+        """Steps this rank committed locally since the last call; raises failed saves."""
         return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
 
     def abort(self, timeout: Optional[float] = None) -> List[int]:
-        aborted = self._pipeline.abort_all(timeout)
-        for pending in aborted:
-            self._discard(pending)
-        return [p.step for p in aborted]
+        aborted = []
+        for pending in self._pipeline.abort_all(timeout):
+            if pending.result is None or not pending.result.ok:
+                shutil.rmtree(pending.directory, ignore_errors=True)
+                aborted.append(pending.step)
+        return aborted
 
     def close(self) -> None:
         try:
@@ -128,59 +129,57 @@ class LocalCheckpointManager:
 
     def _finalize(self, block_first: int) -> List[int]:
         committed = []
-        while self._pipeline.pending:
-            pending = self._pipeline.oldest()
-            self._pipeline.poll()
-            if block_first > 0 and pending.result is None:
-                self._pipeline.wait(pending)
-            block_first -= 1
-            if pending.result is None:
-                break
-            self._pipeline.forget(pending)
-            if not pending.result.ok:
-                self._discard(pending)
-                self._report_failure(pending)
+        for pending in self._pipeline.take_finished(block_first):
+            if pending.result.ok:
+                committed.append(pending.step)
                 continue
-            self._commit(pending)
-            committed.append(pending.step)
+            error = pending.result.error
+            self._events.emit(CHECKPOINT_FAILED, step=pending.step, tier=LOCAL, error=repr(error))
+            message = f"local checkpoint save of step {pending.step} failed: {error!r}"
+            if self._writer_config.fail_on_save_error:
+                raise CheckpointSaveError(message) from error
+            logger.error(message)
         return committed
 
-    def _commit(self, pending: PendingSave) -> None:
-        entries = pending.result.entries
+    def _settle(self, pending: PendingSave, entries: Optional[List[FileEntry]],
+                error: Optional[BaseException]) -> None:
+        """Worker side: exchange replicas (always, to stay in step with the peers), then
+        commit this rank's shard and the replicas it received."""
+        received: Dict[int, str] = {}
+        if self._exchange_group is not None:
+            ok = entries is not None and not pending.cancel.is_set()
+            received = self._replicate(pending, entries if ok else None)
+        try:
+            if entries is None:
+                return
+            if pending.cancel.is_set():
+                raise SaveAborted(f"local save of step {pending.step} aborted")
+            self._commit(pending, entries, received)
+            received = {}
+        finally:
+            for partial in received.values():   # not committed: leave nothing behind
+                shutil.rmtree(partial, ignore_errors=True)
+
+    def _commit(self, pending: PendingSave, entries: List[FileEntry], received: Dict[int, str]) -> None:
         write_manifest(pending.directory, Manifest(
             step=pending.step, world_size=self.world_size, generation=pending.generation,
             run_id=self._run_id, checksum_algo=self._writer_config.checksum,
             ranks={self.rank: [e.name for e in entries]}, files={e.name: e for e in entries}))
         path = self.store.commit(pending.directory, pending.step)
         self.store.apply_retention(self.config.keep_last)
-        for src, partial in (pending.result.extra or {}).items():
+        for src, partial in received.items():
             store = self._replica_store(src)
             store.commit(partial, pending.step)
             store.apply_retention(self.config.keep_last)
         if self.rank == 0:
             self._events.emit(CHECKPOINT_COMMITTED, step=pending.step, path=path, tier=LOCAL,
                               generation=pending.generation, bytes=pending.staged_bytes,
-                              blocking_s=round(pending.blocking_seconds, 4),
-                              write_s=round(pending.result.seconds, 3))
+                              blocking_s=round(pending.blocking_seconds, 4))
 
-    def _report_failure(self, pending: PendingSave) -> None:
-        error = pending.result.error
-        self._events.emit(CHECKPOINT_FAILED, step=pending.step, tier=LOCAL, error=repr(error))
-        message = f"local checkpoint save of step {pending.step} failed: {error!r}"
-        if self._writer_config.fail_on_save_error:
-            raise CheckpointSaveError(message) from error
-        logger.error(message)
-
-    def _discard(self, pending: PendingSave) -> None:
-        shutil.rmtree(pending.directory, ignore_errors=True)
-        extra = pending.result.extra if pending.result is not None else None
-        for partial in (extra or {}).values():
-            shutil.rmtree(partial, ignore_errors=True)
-
-    def _replicate(self, pending: PendingSave, entries) -> Dict[int, str]:
-        """Worker side: send this rank's shard to its targets, keep the sources' shards."""
+    def _replicate(self, pending: PendingSave, entries: Optional[List[FileEntry]]) -> Dict[int, str]:
+        """Send this rank's shard to its targets, write the sources' shards (uncommitted)."""
         outgoing = None
-        if entries is not None and not pending.cancel.is_set():
+        if entries is not None:
             outgoing = replication.Shipment.from_files(pending.directory, entries, {
                 "rank": self.rank, "step": pending.step, "generation": pending.generation,
                 "world_size": self.world_size, "run_id": f"{self._run_id:016x}",

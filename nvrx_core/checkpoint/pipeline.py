@@ -1,10 +1,14 @@
 """The save pipeline shared by the persistent and the node-local checkpointers.
 
 The training thread stages a state dict into host buffers and hands it to one persistent
-background thread (created on the first save, reused by every later one), which writes
-it with a pool of writer threads. Each save carries a generation id; a completion whose
-generation is no longer pending (aborted, or from an earlier incarnation of a retried
-save) is stale and is dropped: it can never be taken for the completion of a newer save.
+background thread (created on the first save, reused by every later one). That worker
+writes the files with a pool of writer threads, then runs the owner's settle hook, which
+does everything else a save needs - agreeing with the other ranks, committing,
+replicating - so the training thread never waits on a collective, an fsync or a delete.
+
+Each save carries a generation id; a completion whose generation is no longer pending
+(its save was aborted and disowned) is stale and is dropped: it can never be taken for
+the completion of a newer save.
 
 Threads, not a forked process: the staged buffers are shared with the writers without a
 copy, and nothing is forked from a process that holds CUDA contexts and NCCL threads.
@@ -27,10 +31,11 @@ from nvrx_core.checkpoint.staging import HostStager, StagedState
 
 logger = logging.getLogger("nvrx.checkpoint")
 
-FinishHook = Callable[["PendingSave", Optional[List[FileEntry]]], Any]
-"""Runs on the worker after a save's files are written (e.g. fragment, replication), with
-None instead of the entries when writing failed or was aborted; what it returns is handed
-to the commit as SaveResult.extra."""
+SettleHook = Callable[["PendingSave", Optional[List[FileEntry]], Optional[BaseException]], Any]
+"""Runs on the worker after a save's files are written (or writing failed: entries None
+and the error given). It must take part in any exchange with other ranks whatever the
+local outcome, honour pending.cancel, and raise if the save is not durable in the end;
+what it returns becomes SaveResult.extra."""
 
 
 @dataclasses.dataclass
@@ -43,7 +48,7 @@ class PendingSave:
     staged_bytes: int
     blocking_seconds: float
     started: float
-    finish: Optional[FinishHook] = None
+    settle: Optional[SettleHook] = None
     result: Optional["SaveResult"] = None
 
 
@@ -63,7 +68,7 @@ class SaveResult:
 class SavePipeline:
     """Staging + one persistent worker thread + writer threads, with generation bookkeeping.
 
-    Not thread-safe for callers: save/poll/abort belong to the training thread.
+    Not thread-safe for callers: start/poll/wait/abort belong to the training thread.
     """
 
     def __init__(self, config: CheckpointConfig, rank: int, clock: Callable[[], float] = time.monotonic):
@@ -82,7 +87,7 @@ class SavePipeline:
     # ---- training-thread side -------------------------------------------------------------
 
     def start(self, state: Any, step: int, directory_for: Callable[[int], str],
-              finish: Optional[FinishHook] = None) -> PendingSave:
+              settle: Optional[SettleHook] = None) -> PendingSave:
         """Stage `state` (the blocking part of a save) and queue it for writing into
         `directory_for(generation)`."""
         if not isinstance(step, int) or step < 0:
@@ -93,7 +98,7 @@ class SavePipeline:
             generation=self._next_generation, step=step,
             directory=directory_for(self._next_generation), rank=self.rank,
             cancel=threading.Event(), staged_bytes=staged.nbytes,
-            blocking_seconds=self._clock() - began, started=began, finish=finish)
+            blocking_seconds=self._clock() - began, started=began, settle=settle)
         self._next_generation += 1
         self.pending[pending.generation] = pending
         self._ensure_worker()
@@ -116,19 +121,35 @@ class SavePipeline:
         """Block until `pending` has a result; False if the timeout ran out first."""
         deadline = None if timeout is None else self._clock() + timeout
         while pending.result is None:
-            remaining = None if deadline is None else max(0.0, deadline - self._clock())
-            if remaining == 0.0:
+            remaining = 1.0 if deadline is None else deadline - self._clock()
+            if remaining <= 0:
                 return False
             try:
-                self._attach(self._results.get(timeout=min(remaining or 1.0, 1.0)))
+                self._attach(self._results.get(timeout=min(remaining, 1.0)))
             except queue.Empty:
                 if self._thread is None or not self._thread.is_alive():
                     raise CheckpointError("the checkpoint worker thread is gone; the save of "
                                           f"step {pending.step} can never complete") from None
         return True
 
+    def take_finished(self, block_first: int) -> List[PendingSave]:
+        """Pending saves that have a result, oldest first, stopping at the first without;
+        the first `block_first` of them are waited for. They stop being pending."""
+        finished = []
+        self.poll()
+        while self.pending:
+            pending = self.oldest()
+            if block_first > 0:
+                self.wait(pending)
+                block_first -= 1
+            if pending.result is None:
+                break
+            self.forget(pending)
+            finished.append(pending)
+        return finished
+
     def forget(self, pending: PendingSave) -> None:
-        """The save is finished with (committed or discarded); a late completion is stale."""
+        """The save is finished with; a late completion for it is stale."""
         self.pending.pop(pending.generation, None)
 
     def abort_all(self, timeout: Optional[float] = None) -> List[PendingSave]:
@@ -204,15 +225,13 @@ class SavePipeline:
         except BaseException as e:  # reported to the training thread, never swallowed
             error = e
         finally:
-            self._stager.release(staged)
-        if pending.finish is not None:
-            # Runs even when writing failed (entries=None): a hook that talks to peer ranks
-            # must still take part in every generation's exchange.
+            self._stager.release(staged)   # the next save may stage while this one settles
+        if pending.settle is not None:
             try:
-                extra = pending.finish(pending, entries if error is None else None)
+                extra = pending.settle(pending, entries if error is None else None, error)
             except BaseException as e:
                 error = error or e
-        if error is None and pending.cancel.is_set():
+        elif error is None and pending.cancel.is_set():
             error = SaveAborted(f"save of step {pending.step} aborted after it was written")
         if error is not None:
             if not isinstance(error, SaveAborted):

@@ -7,6 +7,7 @@ one, and for CUDA tensors only page-locked buffers copy at full PCIe/NVLink spee
 """
 
 import copy
+import ctypes
 import dataclasses
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -129,7 +130,10 @@ class HostStager:
             signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
             buffers = self._acquire(signature, pinned)
             for dst, src in zip(buffers.tensors, sources):
-                dst.copy_(src, non_blocking=pinned and src.is_cuda)
+                if _plain_host_memory(src):
+                    _memcpy(dst, src)
+                else:
+                    dst.copy_(src, non_blocking=pinned and src.is_cuda)
             if on_cuda:
                 _wait_for_copies(sources)
         return StagedState(skeleton, buffers.tensors, [str(t.device) for t in sources], buffers)
@@ -152,6 +156,25 @@ class HostStager:
             self._free = [b for b in self._free if b.signature == signature]
         tensors = [torch.empty(shape, dtype=dtype, pin_memory=pinned) for shape, dtype in signature]
         return BufferSet(signature, pinned, tensors)
+
+
+def _plain_host_memory(tensor: torch.Tensor) -> bool:
+    """A dense CPU tensor whose bytes are its values (no lazy conj/neg view bits)."""
+    return (tensor.device.type == "cpu" and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg())
+
+
+def _memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Host-to-host copy as one memmove on this thread (the GIL is released).
+
+    torch's copy_ splits a large copy across its intra-op threads and waits for all of
+    them; on a busy node one descheduled thread stalls the whole copy (measured on a
+    loaded 2-core VM: 0.43 s with 2 threads vs 0.025 s with one for 256 MiB), and a
+    single copy is memory-bandwidth bound anyway.
+    """
+    nbytes = src.numel() * src.element_size()
+    if nbytes:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
 
 def _wait_for_copies(sources: List[torch.Tensor]) -> None:

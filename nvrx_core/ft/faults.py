@@ -14,7 +14,6 @@ stack for the monitor to dump), rank_exception (an exception in the training loo
 random (one of killed / hung, seeded).
 """
 
-import _thread
 import dataclasses
 import logging
 import os
@@ -57,6 +56,8 @@ class SimulatedFault:
               (self.base_delay, self.at_iteration), "set exactly one of them")
         if self.base_delay is not None:
             check(self.base_delay >= 0, "base_delay", self.base_delay, "must be >= 0 seconds")
+            check(self.fault_type != "rank_exception", "fault_type", self.fault_type,
+                  "an exception can only be raised in the training loop: use at_iteration")
         check(self.jitter >= 0, "jitter", self.jitter, "must be >= 0 seconds")
         if self.at_iteration is not None:
             check(self.at_iteration >= 0, "at_iteration", self.at_iteration, "must be >= 0")
@@ -107,7 +108,5 @@ class FaultInjector:
                 while True:  # a hang with a Python stack the monitor can dump
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGSTOP)
-        elif in_main_thread:
-            raise SimulatedFaultError(f"simulated fault in rank {self.rank} at iteration {iteration}")
         else:
-            _thread.interrupt_main()
+            raise SimulatedFaultError(f"simulated fault in rank {self.rank} at iteration {iteration}")

@@ -9,6 +9,7 @@ starts; a bad value ends the launcher with CONFIG_ERROR (2) and a message naming
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -30,6 +31,7 @@ from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultToleran
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
+from nvrx_core.ft.warm_start import PRELOAD, run_target, split_python_command, start_fork_server
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -63,6 +65,11 @@ def build_parser():
                        % ExitCode.NO_PROGRESS)
     group.add_argument("--health-check", action="append", default=[], metavar="MODULE:FUNC",
                        help="callable returning (healthy: bool, detail: str), run before every (re)start")
+    group.add_argument("--no-warm-start", dest="warm_start", action="store_false",
+                       help="start every worker as a new `python` process instead of forking it from a "
+                       "server that has already imported torch (slower restarts)")
+    group.add_argument("--warm-start-preload", default="", metavar="MODULE,MODULE",
+                       help="extra modules the fork server imports once for all workers (e.g. lightning)")
     group.add_argument("--events-file", default=os.environ.get(ev.EVENTS_FILE_ENV),
                        help=f"JSON-lines incident log shared with the workers (also ${ev.EVENTS_FILE_ENV})")
     return parser
@@ -106,6 +113,9 @@ def check_args(args) -> AgentSettings:
     except Exception:
         raise ConfigError(f"--nnodes={args.nnodes!r}: expected N or MIN:MAX") from None
     check(0 < min_nodes <= max_nodes, "--nnodes", args.nnodes, "need 0 < min <= max")
+    for module in filter(None, (m.strip() for m in args.warm_start_preload.split(","))):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"--warm-start-preload: module {module!r} is not installed")
     if not (args.no_python or args.module or os.path.exists(args.training_script)):
         raise ConfigError(f"training script {args.training_script!r} does not exist")
     return AgentSettings(
@@ -128,6 +138,11 @@ def resolve_rendezvous(args) -> None:
 def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
     config, entrypoint, entrypoint_args = config_from_args(args)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    warm = args.warm_start and isinstance(entrypoint, str) and not args.no_python
+    if warm:
+        kind, target_args = split_python_command(entrypoint_args)
+        entrypoint, entrypoint_args = run_target, [kind, *target_args]
+        config.start_method = "forkserver"
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -147,6 +162,9 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     os.environ[MONITOR_SOCKET_ENV] = monitor.socket_path
     if events.path:
         os.environ[ev.EVENTS_FILE_ENV] = events.path
+    if warm:
+        extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
+        start_fork_server([*PRELOAD, *extra])  # after the environment above is final: the server's children inherit it
     agent = FaultTolerantAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
@@ -176,8 +194,22 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
         monitor.stop()
 
 
+class _WithoutTraceback(logging.Filter):
+    """Drop the traceback torch logs with each worker failure.
+
+    It is always the same launcher-side ProcessExitedException (the worker's own traceback
+    is in its output), and formatting it makes torch import torch._dynamo: 2 s of a
+    restart spent in the launcher on the first failure.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[ft_launcher %(asctime)s] %(levelname)s %(message)s")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_WithoutTraceback())
     args = build_parser().parse_args(argv)
     if finished.is_finished():
         logger.info("%s exists: the job already finished; exiting 0", finished.finished_flag_path())

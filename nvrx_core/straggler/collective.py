@@ -22,7 +22,7 @@ class LocalCollectives:
     def max_floats(self, values: Sequence[float]) -> List[float]:
         return list(values)
 
-    def gather_json(self, obj: Any, to_all: bool) -> List[Any]:
+    def gather_json(self, obj: Any, to_all: bool, size: Optional[int] = None) -> List[Any]:
         return [json.loads(json.dumps(obj))]
 
     def broadcast_floats(self, values: Optional[Sequence[float]], length: int) -> List[float]:
@@ -48,11 +48,17 @@ class GroupCollectives:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
-    def gather_json(self, obj: Any, to_all: bool) -> Optional[List[Any]]:
-        """Every rank's `obj`, in rank order, on group rank 0 (or on all ranks if `to_all`)."""
+    def gather_json(self, obj: Any, to_all: bool, size: Optional[int] = None) -> Optional[List[Any]]:
+        """Every rank's `obj`, in rank order, on group rank 0 (or on all ranks if `to_all`).
+
+        `size`: a byte count every rank agreed on beforehand that no payload exceeds;
+        without it one more collective agrees on the longest payload."""
         data = json.dumps(obj, separators=(",", ":")).encode()
-        (longest,) = self.max_floats([len(data)])
-        padded = torch.full((int(longest),), ord(" "), dtype=torch.uint8)
+        if size is None:
+            (size,) = self.max_floats([len(data)])
+        elif len(data) > size:  # the agreed bound is an upper bound by construction
+            raise RuntimeError(f"straggler payload of {len(data)} bytes exceeds the agreed bound of {size}")
+        padded = torch.full((int(size),), ord(" "), dtype=torch.uint8)
         padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         padded = padded.to(self.device)
         if to_all:

@@ -14,12 +14,13 @@ Typical loop (every rank runs the same number of step() calls):
 
 Between reports step() only counts steps: ranks agree on "is a report due" with one
 three-float all_reduce a few times per report interval (schedule_checks_per_interval),
-the step count to the next check sized from the measured step time. A report is three
-small collectives (payload length, gather, decision broadcast).
+the step count to the next check sized from the measured step time. A report is two
+small collectives (gather of JSON payloads, broadcast of rank 0's decision).
 """
 
 import dataclasses
 import functools
+import json
 import logging
 import socket
 import sys
@@ -98,6 +99,7 @@ class Detector:
         self._report_index = 0
         self._last_report = self._last_check = clock()
         self._check_every = self._steps_to_check = 1
+        self._bound_sections, self._bound = -1, 0
         if self._base.stop_if_detected and checkpoint_hook is None:
             self._logger.warning(
                 "straggler stop_if_detected is on without a checkpoint_hook: a stop loses the progress "
@@ -177,16 +179,40 @@ class Detector:
             return -float(min(max(round(seconds / step_s), 1), MAX_STEPS_BETWEEN_CHECKS))  # negated: max = min
 
         due = left <= step_s / 2  # the next step would overshoot more than this one falls short
-        agreed = self._coll.max_floats([1.0 if due else 0.0, steps_for(min(interval, gap)), steps_for(min(left, gap))])
+        agreed = self._coll.max_floats(
+            [1.0 if due else 0.0, steps_for(min(interval, gap)), steps_for(min(left, gap)), self._payload_bound()]
+        )
         report_now = agreed[0] > 0
         self._check_every = self._steps_to_check = int(-(agreed[1] if report_now else agreed[2]))
-        return self.generate_report() if report_now else None
+        return self._report(payload_size=int(agreed[3])) if report_now else None
+
+    def _payload_bound(self) -> int:
+        """Upper bound of this rank's report payload in bytes, agreed on in the schedule check
+        so that the report needs no collective of its own to size the gather. Sections are
+        never removed, so the bound only changes when one is added."""
+        if self._bound_sections != len(self._store.sections):
+            names = [name for name, s in self._store.sections.items() if s.kind == COMPUTE]
+            skeleton = dict.fromkeys(("rank", "steps", "compute_ms", "wait_ms"), _NUMBER)
+            skeleton.update(
+                node=self.node,
+                sections=dict.fromkeys(names, _NUMBER),
+                individual=dict.fromkeys(names + [OVERALL], _NUMBER),
+            )
+            if self.rank == 0:
+                skeleton["settings"] = dict.fromkeys(CONTROL_FIELDS, _NUMBER)
+            self._bound = len(json.dumps(skeleton, separators=(",", ":")).encode())
+            self._bound_sections = len(self._store.sections)
+        return self._bound
 
     # ---- reporting ----
 
     def generate_report(self) -> Optional[Report]:
         """Collective: gather, score and act. None while detection is disabled or when no
-        rank timed anything in the interval."""
+        rank timed anything in the interval. step() calls it when a report is due; call it
+        directly only on every rank at the same point."""
+        return self._report(payload_size=None)
+
+    def _report(self, payload_size: Optional[int]) -> Optional[Report]:
         started = self._clock()
         interval_s = started - self._last_report
         self._last_report = started
@@ -199,7 +225,7 @@ class Detector:
         if self.rank == 0:
             mine["settings"] = {k: getattr(self._config, k) for k in CONTROL_FIELDS}
         to_all = not self._config.gather_on_rank0
-        payloads = self._coll.gather_json(mine, to_all)
+        payloads = self._coll.gather_json(mine, to_all, payload_size)
         report = None
         if payloads is not None:
             self._apply_settings(payloads[0]["settings"])
@@ -420,6 +446,7 @@ class Detector:
 
 
 _ABSENT = object()
+_NUMBER = "x" * 30  # wider in JSON than any number a payload holds (a float's repr has <= 24 chars)
 
 
 def _from_float(kind: type) -> Callable[[float], Any]:

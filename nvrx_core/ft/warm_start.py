@@ -1,0 +1,62 @@
+"""Warm worker start: restarted workers fork from a process that already imported torch.
+
+A restart's cost is dominated by new interpreters starting and importing torch (about 2 s
+here, more on a loaded node), paid again on every restart. ft_launcher instead runs the
+training script through torch.distributed.elastic's function-entrypoint path with the
+"forkserver" start method, and preloads torch into the fork server once: every (re)start
+then forks a fresh child of that server (a clean interpreter state that has only imported
+torch and nvrx_core) and runs the script in it exactly as `python [-m] target args` would.
+The fork server never initialises CUDA, so children are free to.
+"""
+
+import multiprocessing
+import os
+import runpy
+import signal
+import sys
+from typing import List, Sequence, Tuple
+
+# torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
+
+
+def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
+    """Start the fork server now, so its imports overlap with rendezvous."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def split_python_command(cmd_args: List[str]) -> Tuple[str, List[str]]:
+    """torch's ['-u', ('-m'), target, *args] for `python ...` -> (kind, [target, *args])."""
+    args = [a for a in cmd_args if a != "-u"]
+    if args and args[0] == "-m":
+        return "module", args[1:]
+    return "script", args
+
+
+def run_target(kind: str, target: str, *argv: str) -> None:
+    """Entry point of a warm-started worker: behave like `python -u [-m] target argv`."""
+    # A fresh interpreter has default signal dispositions; a forked one inherits the
+    # launcher's (torch's agent turns SIGTERM into an exception, which makes a worker
+    # blocked in a collective slow to stop).
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=True)
+    try:
+        if kind == "module":
+            sys.argv = [target, *argv]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *argv]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        # sys.exit(0) is success; torch's function entrypoint path expects a plain return.
+        if e.code not in (None, 0):
+            raise
