@@ -1,0 +1,341 @@
+"""Straggler detection: overhead per step, detection latency, false positives.
+
+    python bench/straggler.py [--peer-python .venv-peer/bin/python] [--runs 5]
+
+- overhead: a sleep-based training step (fwd + bwd sleeps, then a real gloo all_reduce)
+  on 2 ranks, run alternately without and with our Detector (see _overhead_worker);
+  median of --runs runs of ~12 s. "peer(no detector)" on those lines is the same step
+  without any detector. Reports every 5 s of detected steps (12x the default rate).
+- nvidia-resiliency-ext's Detector on the same loop (single process), when it can run
+  under --peer-python; otherwise the line says why.
+- latency: 4 ranks, rank 3's forward becomes 30% slower after report 3; reports and
+  seconds until it is flagged (relative and individual scores).
+- false positives: 4 ranks, +-20% seeded random jitter on every section, 20 reports.
+- CUDA-event timing overhead: only where torch.cuda.is_available().
+"""
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from nvrx_core.events import EventLog
+from nvrx_core.straggler import INDIVIDUAL, RELATIVE, Detector, StragglerConfig
+
+OVERHEAD_REPORT_INTERVAL = 5.0  # 12x the default rate, so every run includes a report
+
+
+def quiet_config(**kwargs) -> StragglerConfig:
+    return StragglerConfig(enable_logging=False, num_scores_to_print=0, **kwargs)
+
+
+def run_ranks(worker, world: int, params: dict, deadline_s: float = 300.0) -> list:
+    """Run worker(rank, world, params) on `world` spawned gloo ranks; rank results in order."""
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(worker, r, world, store.port, params, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        deadline = time.monotonic() + deadline_s
+        while len(results) < world:
+            rank, result = queue.get(timeout=max(deadline - time.monotonic(), 1.0))
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world)]
+
+
+def _rank_main(worker, rank, world, port, params, queue):
+    os.environ.pop("NVRX_EVENTS_FILE", None)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        queue.put((rank, worker(rank, world, params)))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- overhead
+
+
+def _overhead_worker(rank, world, p):
+    """Plain and detected steps alternate, so both see the same load from the rest of the
+    machine. Medians of step times are robust to its stalls; the periodic cost (schedule
+    checks, reports: time inside step() beyond its typical cost) is added back, amortized.
+    step() runs on every other step, so reports every 2 x OVERHEAD_REPORT_INTERVAL of wall
+    time are every OVERHEAD_REPORT_INTERVAL of detected steps."""
+    grad = torch.zeros(1024)
+    fwd_s, bwd_s = 0.6 * p["step_s"], 0.4 * p["step_s"]
+    runs = []
+    for _ in range(p["runs"]):
+        detector = Detector(quiet_config(report_time_interval=2 * OVERHEAD_REPORT_INTERVAL), events=EventLog(None))
+        plain, ours, in_step, reports = [], [], [], 0
+        dist.barrier()
+        for _ in range(p["pairs"]):
+            start = time.perf_counter()
+            time.sleep(fwd_s)
+            time.sleep(bwd_s)
+            dist.all_reduce(grad)
+            middle = time.perf_counter()
+            with detector.section("fwd"):
+                time.sleep(fwd_s)
+            with detector.section("bwd"):
+                time.sleep(bwd_s)
+            with detector.section("grad_sync", kind="wait"):
+                dist.all_reduce(grad)
+            before_step = time.perf_counter()
+            reports += detector.step() is not None
+            end = time.perf_counter()
+            plain.append(middle - start)
+            ours.append(end - middle)
+            in_step.append(end - before_step)
+        periodic = (sum(in_step) - statistics.median(in_step) * len(in_step)) / len(in_step)
+        plain_s, ours_s = statistics.median(plain), statistics.median(ours) + periodic
+        runs.append({"plain": plain_s, "ours": ours_s, "ratio": ours_s / plain_s, "periodic": periodic, "reports": reports})
+    result = {k: statistics.median(r[k] for r in runs) for k in ("plain", "ours", "ratio", "periodic")}
+    result["ratios"] = [r["ratio"] for r in runs]
+    result["reports"] = [r["reports"] for r in runs]
+    return result
+
+
+def micro_costs() -> dict:
+    """Hot-path cost of one section enter+exit and of one step() between checks (1 process)."""
+    detector = Detector(quiet_config(report_time_interval=3600.0), events=EventLog(None))
+    section = detector.section("fwd")
+    n = 200_000
+    start = time.perf_counter()
+    for _ in range(n):
+        with section:
+            pass
+    per_section = (time.perf_counter() - start) / n
+    detector.step()  # first check; the next is many steps away (1 h interval)
+    start = time.perf_counter()
+    for _ in range(n):
+        detector.step()
+    per_step = (time.perf_counter() - start) / n
+    return {"section_us": per_section * 1e6, "step_us": per_step * 1e6}
+
+
+# Run by the peer venv's python: nvidia-resiliency-ext's Detector on the same alternating
+# sleep loop, measured the same way (single process, no all_reduce). One JSON line out:
+# {"error": ...} when it cannot run (it needs its compiled CUPTI extension, libcupti and a
+# CUDA device), else per-step seconds.
+PEER_LOOP = """
+import json, statistics, sys, time
+step_s, pairs, runs, interval = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+
+def run(detector):
+    plain, peer, in_report = [], [], []
+    for _ in range(pairs):
+        start = time.perf_counter()
+        time.sleep(0.6 * step_s)
+        time.sleep(0.4 * step_s)
+        middle = time.perf_counter()
+        with detector.detection_section("fwd", profile_cuda=False):
+            time.sleep(0.6 * step_s)
+        with detector.detection_section("bwd", profile_cuda=False):
+            time.sleep(0.4 * step_s)
+        before = time.perf_counter()
+        detector.generate_report_if_interval_elapsed()
+        end = time.perf_counter()
+        plain.append(middle - start)
+        peer.append(end - middle)
+        in_report.append(end - before)
+    periodic = (sum(in_report) - statistics.median(in_report) * pairs) / pairs
+    return statistics.median(plain), statistics.median(peer) + periodic
+
+try:
+    from nvidia_resiliency_ext.straggler import Detector
+    Detector.initialize(report_time_interval=2 * interval, gather_on_rank0=True)
+    results = [run(Detector) for _ in range(runs)]
+    Detector.shutdown()
+except Exception as e:
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+else:
+    print(json.dumps({"plain_s": statistics.median(r[0] for r in results),
+                      "peer_s": statistics.median(r[1] for r in results),
+                      "ratio": statistics.median(r[1] / r[0] for r in results)}))
+"""
+
+
+def peer_overhead(peer_python: str, step_s: float, pairs: int, runs: int) -> dict:
+    if not peer_python:
+        return {"error": "no --peer-python given"}
+    cmd = [peer_python, "-c", PEER_LOOP, str(step_s), str(pairs), str(runs), str(OVERHEAD_REPORT_INTERVAL)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return {"error": f"exit {out.returncode}: {out.stderr.strip().splitlines()[-1:]}"}
+
+
+# ---------------------------------------------------------------- detection
+
+
+def _scenario_worker(rank, world, p):
+    """fwd/bwd sleeps with seeded jitter, the slow rank's fwd x factor after `inject_after` reports."""
+    config = quiet_config(
+        report_time_interval=p["interval"], gather_on_rank0=True, warmup_reports=1, consecutive_reports=2
+    )
+    detector = Detector(config, events=EventLog(None))
+    rng = random.Random(p["seed"] + rank)
+    jitter, grad = p["jitter"], torch.zeros(64)
+    slow = p["slow_factor"] if rank == p["slow_rank"] else 1.0
+    flagged, suspected, injected_at, times = [], [], None, {}
+    while detector.report_count < p["reports"]:
+        injecting = detector.report_count >= p["inject_after"]
+        if injecting and injected_at is None:
+            injected_at = time.monotonic()
+        with detector.section("fwd"):
+            time.sleep(p["fwd_s"] * (slow if injecting else 1.0) * (1 + rng.uniform(-jitter, jitter)))
+        with detector.section("bwd"):
+            time.sleep(p["bwd_s"] * (1 + rng.uniform(-jitter, jitter)))
+        with detector.section("grad_sync", kind="wait"):
+            dist.all_reduce(grad)
+        report = detector.step()
+        if report is not None and rank == 0:
+            times[report.index] = time.monotonic()
+            flagged += [[report.index, s.rank, s.score_kind, s.scope] for s in report.stragglers]
+            suspected += [[report.index, s.rank, s.score_kind, s.scope] for s in report.suspects]
+    return {"flagged": flagged, "suspected": suspected, "times": times, "injected_at": injected_at}
+
+
+def detection_latency() -> dict:
+    p = dict(interval=1.0, fwd_s=0.004, bwd_s=0.002, jitter=0.0, seed=7, slow_rank=3, slow_factor=1.3)
+    p.update(inject_after=3, reports=8)
+    rank0 = run_ranks(_scenario_worker, 4, p)[0]
+    injected_at = rank0["injected_at"]
+    out = {}
+    for kind in (RELATIVE, INDIVIDUAL):
+        hits = [f[0] for f in rank0["flagged"] if f[1] == 3 and f[2] == kind]
+        if hits:
+            out[kind] = (hits[0] - p["inject_after"], rank0["times"][hits[0]] - injected_at)
+        else:
+            out[kind] = None
+    out["wrongly_flagged"] = sorted({f[1] for f in rank0["flagged"] if f[1] != 3})
+    return out
+
+
+def false_positives() -> dict:
+    p = dict(interval=0.5, fwd_s=0.004, bwd_s=0.002, jitter=0.2, seed=1234, slow_rank=-1, slow_factor=1.0)
+    p.update(inject_after=0, reports=20)
+    rank0 = run_ranks(_scenario_worker, 4, p)[0]
+    return {
+        "flagged_reports": len({f[0] for f in rank0["flagged"]}),
+        "suspect_reports": len({f[0] for f in rank0["suspected"]}),
+    }
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def cuda_event_overhead(runs: int) -> dict:
+    """Per-step time of two bf16 matmuls: no detector, CPU-timed sections, CUDA-event sections."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def loop(detector, steps=200):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            if detector is None:
+                b = a @ a
+                a.copy_(b @ a * 1e-4)
+            else:
+                with detector.section("fwd"):
+                    b = a @ a
+                with detector.section("bwd"):
+                    a.copy_(b @ a * 1e-4)
+                detector.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    results = {"plain": [], "off": [], "on": []}
+    loop(None, 20)  # warm-up: cuBLAS handles, clocks
+    for _ in range(runs):
+        results["plain"].append(loop(None))
+        for mode in ("off", "on"):
+            config = quiet_config(report_time_interval=0.5, cuda_timing=mode)
+            results[mode].append(loop(Detector(config, events=EventLog(None))))
+    return {k: statistics.median(v) for k, v in results.items()}
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peer-python", default="", help="python of a venv with nvidia-resiliency-ext")
+    parser.add_argument("--runs", type=int, default=5, help="runs per overhead figure (median)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    micro = micro_costs()
+    print(f"hot_path_section_enter_exit: ours {micro['section_us']:.2f} us, peer n/a (needs CUPTI)")
+    print(f"hot_path_step_between_checks: ours {micro['step_us']:.2f} us, peer n/a (needs CUPTI)")
+    for step_ms in (5, 50):
+        step_s = step_ms / 1e3
+        pairs = int(2.4 * OVERHEAD_REPORT_INTERVAL / (2 * (step_s + 0.003)))  # ~12 s per run
+        result = run_ranks(_overhead_worker, 2, dict(step_s=step_s, pairs=pairs, runs=args.runs))[0]
+        ratio = result["ratio"]
+        print(
+            f"overhead_{step_ms}ms_step (2 gloo ranks, {pairs} step pairs x {args.runs} runs, "
+            f"reports/run {result['reports']}, run ratios {' '.join(f'{r:.4f}' for r in result['ratios'])}): "
+            f"ours {result['ours'] * 1e3:.3f} ms, peer(no detector) {result['plain'] * 1e3:.3f} ms, "
+            f"ratio {ratio:.4f} ({(ratio - 1) * 100:+.2f}%; checks+reports {result['periodic'] * 1e6:.1f} us/step)",
+            flush=True,
+        )
+        peer = peer_overhead(args.peer_python, step_s, pairs, args.runs)
+        if "error" in peer:
+            print(f"nvrx_peer_overhead_{step_ms}ms_step: peer(nvidia-resiliency-ext) cannot run here: {peer['error']}")
+        else:
+            print(
+                f"nvrx_peer_overhead_{step_ms}ms_step (1 process): "
+                f"peer(nvidia-resiliency-ext) {peer['peer_s'] * 1e3:.3f} ms, no detector {peer['plain_s'] * 1e3:.3f} ms, "
+                f"ratio {peer['ratio']:.4f}"
+            )
+
+    latency = detection_latency()
+    for kind in (RELATIVE, INDIVIDUAL):
+        hit = latency[kind]
+        text = f"{hit[0]} reports ({hit[1]:.2f} s after the slowdown began)" if hit else "NOT flagged"
+        print(f"detection_latency_30pct_{kind} (4 ranks, 1 s reports): ours {text}, peer n/a (needs CUPTI/GPU)")
+    print(f"wrongly_flagged_ranks_in_latency_run: ours {latency['wrongly_flagged'] or 'none'}")
+    fp = false_positives()
+    print(
+        f"false_positives_20_reports_jitter20pct (4 ranks): ours {fp['flagged_reports']} reports with a flagged rank "
+        f"({fp['suspect_reports']} with a single bad score, absorbed by hysteresis), peer n/a"
+    )
+
+    if torch.cuda.is_available():
+        cuda = cuda_event_overhead(args.runs)
+        for mode in ("off", "on"):
+            print(
+                f"cuda_timing_{mode}_overhead (2 bf16 8192^2 matmuls per step): ours {cuda[mode] * 1e3:.3f} ms, "
+                f"peer(no detector) {cuda['plain'] * 1e3:.3f} ms, ratio {cuda[mode] / cuda['plain']:.4f}"
+            )
+    else:
+        print("cuda_timing_overhead: skipped (torch.cuda.is_available() is False on this machine)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
