@@ -138,7 +138,7 @@ def test_data_iterator_replays_the_step_and_carries_its_microbatches():
     assert [next(data), next(data)] == [0, 1]
     data.rewind()
     assert [next(data), next(data), next(data)] == [0, 1, 2]  # the rerun asked one more: from the source
-    assert data.drawn == 3 and data.step_batches == 3
+    assert data.drawn == 3 and data.state_dict(include_batches=True)["batches"] == [0, 1, 2]
     data.advance()
     assert next(data) == 3
     state = data.state_dict(include_batches=True)

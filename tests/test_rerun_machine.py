@@ -332,3 +332,51 @@ def test_determinism_stats_mode_reruns_every_step_and_reports():
 
     with pytest.raises(RuntimeError, match="has no counterpart in the initial run"):
         loop.step(validate_only_first_run)
+
+
+def test_pipeline_style_list_of_iterators_replays_each_and_survives_the_exit_checkpoint():
+    """A virtual-pipeline list of data iterators, with None for a stage without data (as Megatron passes)."""
+    machine = RerunStateMachine(
+        RerunConfig(rerun_mode="validate_results", error_injection_rate=1, error_injection_type="persistent_error"),
+        device_identity=ONE, events=EventLog(None),
+    )
+    chunks = [RerunDataIterator(iter(range(0, 100))), None, RerunDataIterator(iter(range(100, 200)))]
+    seen = []
+    while machine.should_run_forward_backward(chunks):
+        seen.append((next(chunks[0]), next(chunks[2]), next(chunks[2])))
+        machine.validate_result(torch.tensor(1.0), torch.isnan, "value")
+    assert seen == [(0, 100, 101)] * 2 and machine.should_checkpoint_and_exit() == RESUME_ELSEWHERE
+    state = machine.state_dict(chunks)
+    assert [s and s["batches"] for s in state["data_iterators"]] == [[0], None, [100, 101]]
+    with pytest.raises(ValueError, match="pass the iterator\\(s\\) the step ran with"):
+        machine.state_dict([RerunDataIterator([])])
+
+    resumed = RerunStateMachine(RerunConfig(rerun_mode="validate_results"),
+                                device_identity=DeviceIdentity("node-b", "cpu:0"), events=EventLog(None))
+    resumed.load_state_dict(state)
+    fresh = [RerunDataIterator(iter(range(1, 100))), None, RerunDataIterator(iter(range(102, 200)))]
+    runs = []
+    while resumed.should_run_forward_backward(fresh):
+        runs.append((next(fresh[0]), next(fresh[2]), next(fresh[2])))
+        resumed.validate_result(torch.tensor(1.0), torch.isnan, "value")
+    assert runs == [(0, 100, 101)]  # replayed from the checkpoint, not from the fresh loaders
+    assert resumed.should_checkpoint_and_exit() == CONTINUE
+    assert [d.diagnosis for d in resumed.diagnoses] == ["persistent_error"]
+    assert resumed.should_run_forward_backward(fresh) and (next(fresh[0]), next(fresh[2])) == (1, 102)
+
+
+def test_a_tensor_flag_with_several_elements_rejects_if_any_does():
+    for mode in ("validate_results", "disabled"):
+        machine = RerunStateMachine(RerunConfig(rerun_mode=mode), device_identity=ONE, events=EventLog(None))
+        data = RerunDataIterator(iter(range(10)))
+        vector = torch.tensor([1.0, float("nan"), 2.0])
+        if mode == "disabled":
+            assert machine.should_run_forward_backward(data)
+            with pytest.raises(RerunValidationError, match="tensor\\(shape=\\(3,\\), non_finite=1"):
+                machine.validate_result(vector, torch.isnan, "grads")
+            continue
+        runs = 0
+        while machine.should_run_forward_backward(data):
+            runs += 1
+            machine.validate_result(vector, torch.isnan, "grads")
+        assert runs == 2 and machine.should_checkpoint_and_exit() == RESUME_ELSEWHERE

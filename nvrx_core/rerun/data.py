@@ -53,11 +53,6 @@ class RerunDataIterator:
         self._replay_pos = 0
         self._replaying = True
 
-    @property
-    def step_batches(self) -> int:
-        """How many microbatches the current step has drawn."""
-        return len(self._step_batches)
-
     def state_dict(self, include_batches: bool) -> dict:
         """Plain data for a checkpoint; the step's microbatches only when a rerun must replay them."""
         return {

@@ -406,6 +406,8 @@ class RerunStateMachine:
             raise RuntimeError(f"load_state_dict() called in state {self.state.value!r}: load between steps")
         spiky = self._new_spiky_detector()
         loaded = parse_state_dict(state, self._adapters, spiky)
+        if loaded.mode is not self.mode:
+            logger.info("rerun: checkpoint written with rerun_mode=%s, continuing with %s", loaded.mode.value, self.mode.value)
         pending = loaded.state is S.WILL_RERUN_FROM_CHECKPOINT
         iterator_states = loaded.data_iterators
         if pending and (abandon_pending_rerun or self.mode is not RerunMode.VALIDATE_RESULTS):
