@@ -22,8 +22,8 @@ FLAGS = ["--nproc-per-node", "1", "--ft-rank-section-timeouts", "step:600", "--f
 
 def measure(launcher: list, client: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([*launcher, *FLAGS, JOB, "--client", client, "--batches", "15", "--batch", "1000"], capture_output=True, text=True,
-                         env=env, timeout=300)
+    cmd = [*launcher, *FLAGS, JOB, "--client", client, "--batches", "15", "--batch", "1000"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     for line in out.stdout.splitlines():
         if "RESULT {" in line:  # the peer's launcher may prefix or suffix worker lines
             return json.JSONDecoder().raw_decode(line[line.index("RESULT {") + len("RESULT "):])[0]

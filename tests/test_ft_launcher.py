@@ -184,3 +184,13 @@ def test_missing_training_script_is_a_config_error(tmp_path):
     result = run_launcher(["--nproc-per-node", "2", str(tmp_path / "nope.py")])
     assert result.returncode == ExitCode.CONFIG_ERROR
     assert "does not exist" in result.stdout
+
+
+def test_plain_ddp_example_runs_under_ft_launcher(tmp_path):
+    example = os.path.join(os.path.dirname(SCRIPTS), "..", "examples", "plain_ddp_ft.py")
+    result = run_launcher(["--nproc-per-node", "2", "--ft-rank-section-timeouts", "setup:600,step:60,checkpointing:300",
+                           example, "--ckpt-dir", str(tmp_path), "--steps", "60"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert (tmp_path / "model.pt").exists() and (tmp_path / "ft_state.json").exists()
+    learned = (tmp_path / "ft_state.json").read_text()
+    assert '"step": null' not in learned  # the step section's timeout was learned
