@@ -14,7 +14,7 @@ from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import (
     CallbackStateAdapter, DeviceIdentity, InvalidTransition, RerunConfig, RerunDataIterator, RerunState,
-    RerunStateError, RerunStateMachine, RerunValidationError, read_rejected_results,
+    RerunStateError, RerunStateMachine, RerunValidationError, read_rejected_results, reject_non_finite,
 )
 
 ONE = DeviceIdentity("node-a", "cpu:0")
@@ -380,3 +380,15 @@ def test_a_tensor_flag_with_several_elements_rejects_if_any_does():
             runs += 1
             machine.validate_result(vector, torch.isnan, "grads")
         assert runs == 2 and machine.should_checkpoint_and_exit() == RESUME_ELSEWHERE
+
+
+def test_a_rejected_call_the_rerun_never_reaches_did_not_reproduce():
+    machine = RerunStateMachine(RerunConfig(rerun_mode="validate_results"), device_identity=ONE, events=EventLog(None))
+    data = RerunDataIterator(iter(range(10)))
+    runs = 0
+    while machine.should_run_forward_backward(data):
+        runs += 1
+        if runs == 1:  # the rerun takes another control-flow path and never validates this value
+            machine.validate_result(float("nan"), reject_non_finite, "only in the first run", fatal=False)
+    assert runs == 2 and machine.should_checkpoint_and_exit() == CONTINUE
+    assert [d.diagnosis for d in machine.diagnoses] == ["transient_error"]
