@@ -36,12 +36,15 @@ class CollectiveVote:
 
     @property
     def device(self) -> torch.device:
-        if self._device is None:
-            backend = dist.get_backend(self._group) if self.active else "gloo"
-            if backend == "nccl":
-                self._device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                self._device = torch.device("cpu")
+        """Decided once the process group exists (a machine may be built before init_process_group)."""
+        if self._device is not None:
+            return self._device
+        if not self.active:
+            return torch.device("cpu")
+        if dist.get_backend(self._group) == "nccl":
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self._device = torch.device("cpu")
         return self._device
 
     def max(self, local: Union[int, bool, torch.Tensor]) -> int:

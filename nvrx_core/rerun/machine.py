@@ -86,9 +86,7 @@ class RerunStateMachine:
         self.last_determinism_report: Optional[dict] = None
         self._vote = CollectiveVote(process_group, device)
         self._identity = device_identity
-        self._adapters: List[StateAdapter] = (
-            list(state_adapters) if state_adapters is not None else [RngStateAdapter(device or self._vote.device)]
-        )
+        self._state_adapters = list(state_adapters) if state_adapters is not None else None
         self._events = events if events is not None else EventLog.from_env("rerun")
         self._reporter = report.RejectionReporter(
             report.RejectedResultsLog(config.result_rejected_tracker_filename), self._events, clock
@@ -328,6 +326,13 @@ class RerunStateMachine:
         c = self.config
         return SpikyLossDetector(c.spiky_loss_factor, c.spiky_loss_window, c.spiky_loss_warmup,
                                  c.spiky_loss_min_samples, self._tensor_ops_on_cpu)
+
+    @property
+    def _adapters(self) -> List[StateAdapter]:
+        """Resolved at first use: the default RNG adapter needs the device, known once the group exists."""
+        if self._state_adapters is None:
+            self._state_adapters = [RngStateAdapter(self._vote.device)]
+        return self._state_adapters
 
     @property
     def diagnoses(self) -> List[report.RejectedResult]:
