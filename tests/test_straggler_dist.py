@@ -93,6 +93,8 @@ def _training_worker(rank, world, out_dir, p):
         )
 
     detector = Detector(StragglerConfig(**p["config"]), checkpoint_hook=checkpoint_hook)
+    if p.get("wrap_all_reduce"):  # time the collective by wrapping torch.distributed itself
+        detector.wrap_attribute(dist, "all_reduce", kind="wait")
     rng = random.Random(p.get("seed", 0) + rank)
     jitter = p.get("jitter", 0.0)
     slow = p.get("slow", {}).get(rank, 1.0)
@@ -104,13 +106,19 @@ def _training_worker(rank, world, out_dir, p):
             time.sleep(p["fwd_s"] * factor * (1 + rng.uniform(-jitter, jitter)))
         with detector.section("bwd"):
             time.sleep(p["bwd_s"] * (1 + rng.uniform(-jitter, jitter)))
-        with detector.section("grad_sync", kind="wait"):
+        if p.get("wrap_all_reduce"):
             dist.all_reduce(grad)
+        else:
+            with detector.section("grad_sync", kind="wait"):
+                dist.all_reduce(grad)
         report = detector.step()
         steps += 1
         if report is not None:
             reports.append(_summary(report))
-    return {"reports": reports, "steps": steps, "hook_calls": hook_calls}
+    wrapped = "all_reduce" in vars(dist) and dist.all_reduce is not torch.distributed.distributed_c10d.all_reduce
+    detector.close()
+    restored = dist.all_reduce is torch.distributed.distributed_c10d.all_reduce
+    return {"reports": reports, "steps": steps, "hook_calls": hook_calls, "wrapped": wrapped, "restored": restored}
 
 
 def _first_flag(reports, rank, kind, scope):
@@ -143,6 +151,7 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
         inject_after=inject_after,
         reports=7,
         max_steps=3000,
+        wrap_all_reduce=True,
     )
     codes, results = run_ranks(_training_worker, 4, tmp_path, params)
     assert codes == [0, 0, 0, 0]
@@ -163,7 +172,8 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
             assert rep[kind]["fwd"]["3"] == pytest.approx(0.5, abs=0.08), (kind, rep)
             assert rep[kind]["fwd"]["2"] == pytest.approx(1 / 1.3, abs=0.08), (kind, rep)
             assert rep[kind]["fwd"]["0"] > 0.85 and rep[kind]["fwd"]["1"] > 0.85, (kind, rep)
-    # Everyone waits for rank 3 in the all_reduce; it waits least.
+    # Everyone waits for rank 3 in the (wrapped) all_reduce; it waits least.
+    assert all(r["wrapped"] and r["restored"] for r in results)
     last = reports[-1]
     assert last["waited_for"] == 3
     assert last["wait_ms"]["3"] < min(last["wait_ms"][r] for r in "01")

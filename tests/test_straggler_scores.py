@@ -28,14 +28,18 @@ def test_baseline_excludes_warmup_and_has_no_score_before_it():
     assert baseline.score("bwd", 10.0) is None  # every scope has its own warm-up
 
 
-def test_baseline_rolls_and_uses_median_not_best():
-    baseline = RollingBaseline(window=3, warmup_reports=0)
-    for ms in (8.0, 10.0, 10.0):
+def test_baseline_is_median_of_the_faster_half_and_rolls():
+    baseline = RollingBaseline(window=4, warmup_reports=0)
+    for ms in (8.0, 10.0, 10.0, 13.0):
         baseline.update("s", ms, accepted=True)
-    assert baseline.score("s", 10.0) == pytest.approx(1.0)  # one lucky 8 ms report is not the bar
-    for ms in (12.0, 12.0):
+    assert baseline.score("s", 9.0) == pytest.approx(1.0)  # faster half (8, 10): a lucky 8 ms is not the bar
+    slow_start = RollingBaseline(window=4, warmup_reports=0)
+    for ms in (13.0, 10.0):  # a slow (busy host) report, then a normal one
+        slow_start.update("s", ms, accepted=True)
+    assert slow_start.score("s", 13.0) == pytest.approx(10 / 13)  # a 30% slowdown still shows
+    for ms in (12.0, 12.0, 12.0):
         baseline.update("s", ms, accepted=True)
-    assert baseline.score("s", 12.0) == pytest.approx(1.0)  # the window rolled: old reports dropped
+    assert baseline.score("s", 12.0) == pytest.approx(1.0)  # the window rolled: 8 and 10 dropped
 
 
 def test_baseline_ignores_rejected_reports():

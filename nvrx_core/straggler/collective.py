@@ -30,9 +30,15 @@ class LocalCollectives:
 
 
 class GroupCollectives:
-    """Collectives over a torch.distributed process group."""
+    """Collectives over a torch.distributed process group.
+
+    The torch functions are bound at construction, so a user who times torch.distributed's
+    collectives (Detector.wrap_attribute(torch.distributed, "all_reduce", kind="wait"))
+    does not also time the detector's own."""
 
     def __init__(self, group: Any):
+        self._all_reduce, self._all_gather = dist.all_reduce, dist.all_gather
+        self._gather, self._broadcast = dist.gather, dist.broadcast
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -45,7 +51,7 @@ class GroupCollectives:
     def max_floats(self, values: Sequence[float]) -> List[float]:
         """Element-wise max over ranks (negate an entry to get a min)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor.tolist()
 
     def gather_json(self, obj: Any, to_all: bool, size: Optional[int] = None) -> Optional[List[Any]]:
@@ -63,10 +69,10 @@ class GroupCollectives:
         padded = padded.to(self.device)
         if to_all:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)]
-            dist.all_gather(parts, padded, group=self.group)
+            self._all_gather(parts, padded, group=self.group)
         else:
             parts = [torch.empty_like(padded) for _ in range(self.world_size)] if self.rank == 0 else None
-            dist.gather(padded, parts, dst=self._root, group=self.group)
+            self._gather(padded, parts, dst=self._root, group=self.group)
             if parts is None:
                 return None
         return [json.loads(bytes(p.cpu().untyped_storage())) for p in parts]  # each part owns its storage
@@ -77,7 +83,7 @@ class GroupCollectives:
             tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         else:
             tensor = torch.zeros(length, dtype=torch.float64, device=self.device)
-        dist.broadcast(tensor, src=self._root, group=self.group)
+        self._broadcast(tensor, src=self._root, group=self.group)
         return tensor.tolist()
 
 

@@ -47,7 +47,15 @@ def decide(
         for scope, score in p.get("individual", {}).items():
             individual.setdefault(scope, {})[p["rank"]] = score
 
-    thresholds = {RELATIVE: config.relative_perf_threshold, INDIVIDUAL: config.individual_perf_threshold}
+    # A slowdown every rank shares (a busy host, longer sequences, a slow filesystem) makes
+    # no rank a straggler: individual scores are judged against the least slowed rank's.
+    job_individual = {scope: min(1.0, max(by_rank.values())) for scope, by_rank in individual.items() if len(by_rank) > 1}
+
+    def threshold(kind: str, scope: str) -> float:
+        if kind == RELATIVE:
+            return config.relative_perf_threshold
+        return config.individual_perf_threshold * job_individual.get(scope, 1.0)
+
     scores = {
         (r, kind, scope): score
         for kind, table in ((RELATIVE, relative), (INDIVIDUAL, individual))
@@ -55,11 +63,11 @@ def decide(
         for r, score in by_rank.items()
     }
     hysteresis.required = config.consecutive_reports
-    streaks = hysteresis.update(key for key, score in scores.items() if score < thresholds[key[1]])
+    streaks = hysteresis.update(key for key, score in scores.items() if score < threshold(key[1], key[2]))
 
     def straggler(key) -> Straggler:
         r, kind, scope = key
-        return Straggler(r, ranks[r].node, kind, scope, scores[key], thresholds[kind], streaks[key])
+        return Straggler(r, ranks[r].node, kind, scope, scores[key], threshold(kind, scope), streaks[key])
 
     flagged = [straggler(k) for k, n in streaks.items() if n >= config.consecutive_reports]
     suspects = [straggler(k) for k, n in streaks.items() if n < config.consecutive_reports]
@@ -79,4 +87,5 @@ def decide(
         stop=config.stop_if_detected and bool(flagged_ranks),
         interval_s=interval_s,
         generation_s=clock() - started,
+        job_individual=job_individual,
     )

@@ -34,6 +34,8 @@ class Straggler:
     """"overall" (per-step compute) or a section name."""
     score: float
     threshold: float
+    """The threshold the score fell below; for individual scores, the configured one times
+    the job's least slowed individual score (see Report.job_individual)."""
     consecutive: int
     """Consecutive reports in which this score was below its threshold."""
 
@@ -64,6 +66,9 @@ class Report:
     """stop_if_detected is on and a rank is flagged: every rank is about to stop."""
     interval_s: float
     generation_s: float
+    job_individual: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """scope -> best individual score of any rank, capped at 1. Low: the whole job slowed
+    down (not a straggler); individual thresholds are scaled by it."""
 
     @property
     def rank_to_node(self) -> Dict[int, str]:
@@ -97,6 +102,7 @@ class Report:
             f"straggler report #{self.index}: {self.world_size} ranks, {self.interval_s:.2f} s"
             + (f"; FLAGGED: {flagged}" if flagged else "; no straggler")
             + (f"; others waited for rank {self.waited_for}" if self.waited_for is not None else "")
+            + (f"; whole job at {job:.2f} of its baseline" if (job := self.job_individual.get(OVERALL, 1.0)) < 0.9 else "")
         ]
         ordered = sorted(self.ranks, key=lambda r: (self._rank_key(r), r))
         if rows <= 0 or not ordered:

@@ -21,13 +21,15 @@ def relative_scores(times: Mapping[int, float]) -> Dict[int, float]:
 
 
 class RollingBaseline:
-    """Per-scope reference time of one rank: median of its last `window` accepted reports.
+    """Per-scope reference time of one rank, from its last `window` accepted reports.
 
-    Warm-up reports of each scope are never accepted (compilation, cold caches). Reports
-    whose individual score was bad are not accepted either, so a rank that slows down
-    does not drag its own reference down with it and stays flagged while slow. A median
-    of several reports (not the best one ever) keeps one lucky interval from setting a
-    bar the rank can never meet again.
+    The reference is the median of the faster half of those report medians. Interference
+    (a busy host, a noisy neighbour, a throttled clock) only ever makes a report slower,
+    so the reference leans to the fast side: one slow report at the start cannot hide a
+    later slowdown, and one lucky report cannot set a bar the rank never meets again (it
+    is averaged with the next fastest). Warm-up reports of each scope are never accepted
+    (compilation, cold caches); reports whose individual score was bad are not accepted
+    either, so a rank that slows down does not drag its own reference with it.
     """
 
     def __init__(self, window: int, warmup_reports: int):
@@ -41,7 +43,8 @@ class RollingBaseline:
         history = self._history.get(scope)
         if not history or current_ms is None or current_ms <= 0:
             return None
-        return statistics.median(history) / current_ms
+        ordered = sorted(history)
+        return statistics.median(ordered[: (len(ordered) + 1) // 2]) / current_ms
 
     def update(self, scope: str, current_ms: Optional[float], accepted: bool) -> None:
         """Feed one report's time; it joins the baseline after warm-up if `accepted`."""
