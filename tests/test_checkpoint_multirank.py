@@ -90,9 +90,23 @@ def scenario_global(args: dict, rank: int, world: int) -> dict:
             f.write(bytes([byte[0] ^ 0x5A]))
     dist.barrier()
     step, state = ckpt.load_latest()
+    # a disk problem on rank 1 only: its data file's path is taken by a directory
+    from nvrx_core.checkpoint import CheckpointSaveError
+    from nvrx_core.checkpoint.layout import partial_dir_name
+
+    if rank == 1:
+        os.makedirs(os.path.join(root, partial_dir_name(3, ckpt.run_id, 3), "rank_00001.data0"))
+    ckpt.save(rank_state(rank, 3), 3)
+    try:
+        ckpt.finalize(blocking=True)
+        save_error = None
+    except CheckpointSaveError as e:
+        save_error = str(e)
+    dist.barrier()
     ckpt.close()
     return {"manifest": manifest, "loaded_step": step,
-            "loaded_ok": same_state(state, rank_state(rank, step))}
+            "loaded_ok": same_state(state, rank_state(rank, step)), "save_error": save_error,
+            "dirs_after_failure": sorted(os.listdir(root))}
 
 
 def scenario_local_find_latest(args: dict, rank: int, world: int) -> dict:
@@ -177,6 +191,10 @@ def test_global_commit_merges_every_rank_and_corruption_on_one_rank_is_skipped_b
     # rank 1's step-2 shard was damaged: both ranks agree on step 1, each with its own state
     assert [r["loaded_step"] for r in results] == [1, 1]
     assert all(r["loaded_ok"] for r in results)
+    # rank 1's background write of step 3 failed: every rank raised, nothing was published
+    assert "step 3" in results[0]["save_error"] and "another rank" in results[0]["save_error"]
+    assert "step 3" in results[1]["save_error"] and "rank_00001.data0" in results[1]["save_error"]
+    assert results[1]["dirs_after_failure"] == ["step_0000000001", "step_0000000002"]
 
 
 @pytest.mark.timeout(200)

@@ -216,7 +216,10 @@ class AsyncCheckpointer:
         """Agree with every rank that this generation is fully written, commit on rank 0,
         and agree on the outcome. Raises on every rank if the save did not become durable."""
         if entries is not None:
-            self._write_fragment(pending, entries)
+            try:
+                self._write_fragment(pending, entries)
+            except Exception as e:  # still take part in the all_reduce below
+                error, entries = e, None
         failed = int(entries is None or pending.cancel.is_set())
         gen_max, neg_gen_min, any_failed = collectives.all_reduce_max(
             [pending.generation, -pending.generation, failed], self._settle_group)

@@ -147,11 +147,16 @@ class LocalCheckpointManager:
         commit this rank's shard and the replicas it received."""
         received: Dict[int, str] = {}
         if self._exchange_group is not None:
-            ok = entries is not None and not pending.cancel.is_set()
-            received = self._replicate(pending, entries if ok else None)
+            outgoing = None
+            if entries is not None and not pending.cancel.is_set():
+                try:
+                    outgoing = self._shipment(pending, entries)
+                except Exception as e:  # still take part in the exchange, sending nothing
+                    error, entries = e, None
+            received = self._replicate(pending, outgoing)
         try:
-            if entries is None:
-                return
+            if error is not None:
+                raise error
             if pending.cancel.is_set():
                 raise SaveAborted(f"local save of step {pending.step} aborted")
             self._commit(pending, entries, received)
@@ -176,14 +181,15 @@ class LocalCheckpointManager:
                               generation=pending.generation, bytes=pending.staged_bytes,
                               blocking_s=round(pending.blocking_seconds, 4))
 
-    def _replicate(self, pending: PendingSave, entries: Optional[List[FileEntry]]) -> Dict[int, str]:
+    def _shipment(self, pending: PendingSave, entries: List[FileEntry]) -> replication.Shipment:
+        return replication.Shipment.from_files(pending.directory, entries, {
+            "rank": self.rank, "step": pending.step, "generation": pending.generation,
+            "world_size": self.world_size, "run_id": f"{self._run_id:016x}",
+            "checksum_algo": self._writer_config.checksum})
+
+    def _replicate(self, pending: PendingSave,
+                   outgoing: Optional[replication.Shipment]) -> Dict[int, str]:
         """Send this rank's shard to its targets, write the sources' shards (uncommitted)."""
-        outgoing = None
-        if entries is not None:
-            outgoing = replication.Shipment.from_files(pending.directory, entries, {
-                "rank": self.rank, "step": pending.step, "generation": pending.generation,
-                "world_size": self.world_size, "run_id": f"{self._run_id:016x}",
-                "checksum_algo": self._writer_config.checksum})
         received = replication.exchange(self._exchange_group, pending.generation, outgoing,
                                         self.targets, self.sources)
         written: Dict[int, str] = {}
