@@ -21,7 +21,9 @@ class ExitCode(enum.IntEnum):
     """Rerun state machine: result reproduced on this device; checkpointed, resume on another."""
 
     RERUN_VALIDATION_FAILED = 17
-    """Rerun state machine: a fatal validation failure (transient error with fatal=True)."""
+    """Rerun state machine: validation failed for good: a fatal transient error, a result that
+    reproduces on two devices (a genuine data/model problem), or a job that keeps landing on
+    the suspect device."""
 
     PREEMPTED = 18
     """The scheduler preempted the job; a checkpoint was saved: requeue me."""
