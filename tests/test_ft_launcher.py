@@ -194,3 +194,19 @@ def test_plain_ddp_example_runs_under_ft_launcher(tmp_path):
     assert (tmp_path / "model.pt").exists() and (tmp_path / "ft_state.json").exists()
     learned = (tmp_path / "ft_state.json").read_text()
     assert '"step": null' not in learned  # the step section's timeout was learned
+
+
+def test_health_checks_run_before_every_start_and_stop_a_sick_node(tmp_path):
+    events_file, marker = tmp_path / "events.jsonl", tmp_path / "starts"
+    env = {"PYTHONPATH": SCRIPTS, "HEALTH_MARKER": str(tmp_path / "health.marker")}
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "3", "--events-file", str(events_file),
+                           "--health-check", "health_hooks:healthy", "--health-check", "health_hooks:sick_after_first_start",
+                           FAIL_JOB, "--exit-code", "1", "--marker", str(marker)], env=env)
+    assert result.returncode == ExitCode.FAILURE, result.stdout[-3000:]
+    checks = kinds(read_events(str(events_file)), "health_check")
+    assert [(c["check"], c["healthy"]) for c in checks] == [
+        ("healthy", True), ("sick_after_first_start", True),  # before the first start
+        ("healthy", True), ("sick_after_first_start", False),  # before the restart: stop, do not start
+    ]
+    assert "GPU 3 fell off the bus" in result.stdout
+    assert {line.split(":")[1] for line in marker.read_text().splitlines()} == {"0"}
