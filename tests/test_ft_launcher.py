@@ -210,3 +210,32 @@ def test_health_checks_run_before_every_start_and_stop_a_sick_node(tmp_path):
     ]
     assert "GPU 3 fell off the bus" in result.stdout
     assert {line.split(":")[1] for line in marker.read_text().splitlines()} == {"0"}
+
+
+def test_two_nodes_restart_together_over_c10d_rendezvous(tmp_path, reference_hash):
+    """Two launchers (one rank each) stand in for two nodes: a crash on one restarts both."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = {}
+
+    def node(n):
+        results[n] = run_launcher([
+            "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--rdzv-id", "two-nodes", "--max-restarts", "2",
+            "--events-file", str(tmp_path / f"events{n}.jsonl"), *TRAIN, "--steps", "30", "--step-time", "0.02",
+            "--ckpt-dir", str(tmp_path / "ckpt"), "--hash-file", str(tmp_path / "weights.sha"),
+            "--fault", "rank_killed:1:15"])
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[n].returncode for n in (0, 1)] == [0, 0], results[0].stdout[-2000:] + results[1].stdout[-2000:]
+    for n in (0, 1):
+        assert len(kinds(read_events(str(tmp_path / f"events{n}.jsonl")), "restart_begun")) == 1
+    assert (tmp_path / "weights.sha").read_text().strip() == reference_hash
