@@ -54,7 +54,7 @@ def build_parser():
     for name in _ft_fields():
         spellings = {f"--ft-{name.replace('_', '-')}", f"--ft-{name}", f"--ft-param-{name}"}
         group.add_argument(*sorted(spellings), dest=f"ft_{name}", default=None, metavar="VALUE",
-                           help=argparse_help(name))
+                           help=_ft_flag_help(name))
     group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
                        dest="ft_restart_policy", default="any-failed", choices=RESTART_POLICIES,
                        help="any-failed: restart every worker when any fails (the only policy on one node)")
@@ -75,7 +75,7 @@ def build_parser():
     return parser
 
 
-def argparse_help(name: str) -> str:
+def _ft_flag_help(name: str) -> str:
     if name in PEER_ONLY_FIELDS:
         return "accepted for nvidia-resiliency-ext compatibility; no effect"
     return f"FTConfig.{name}"
