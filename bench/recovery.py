@@ -56,18 +56,24 @@ def run_once(name: str, fault: str, peer_python: str, limit: float) -> dict:
         proc.wait()
         log.close()
     records = []
-    with open(os.path.join(workdir, "timeline.jsonl")) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
+    try:
+        with open(os.path.join(workdir, "timeline.jsonl")) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass  # no worker got as far as its first record
     t_fault = next((r["t"] for r in records if r["ev"] == "fault"), None)
     # Steps of processes started after the fault: the healthy rank may log its last step late.
     new_pids = {r["pid"] for r in records if r["ev"] == "started" and t_fault is not None and r["t"] > t_fault}
     after = [r["t"] for r in records if r["ev"] == "step" and r["pid"] in new_pids]
     finished = code == 0 and sum(1 for r in records if r["ev"] == "done") == 2
-    shutil.rmtree(workdir, ignore_errors=True)
+    if finished or name != "ours":
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"  ours {fault}: run did not finish (exit {code}); kept {workdir}", flush=True)
     return {"recovery": (min(after) - t_fault) if after else None, "finished": finished, "exit": code}
 
 

@@ -35,6 +35,7 @@ TIMEOUTS_UPDATED = "timeouts_updated"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 STRAGGLER_FOUND = "straggler_found"
 STEP_DONE = "step_done"
+FIRST_PROGRESS = "first_progress"  # the node monitor saw a cycle's first heartbeat / section end
 FAULT_INJECTED = "fault_injected"
 
 

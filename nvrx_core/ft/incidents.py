@@ -20,7 +20,8 @@ class Incident:
     detected_after: float
     """Seconds from the fault (its injection, when known) to its detection."""
     resumed_after: Optional[float]
-    """Seconds from the fault to the first step completed by the restarted job."""
+    """Seconds from the fault to the first step completed by the restarted job (its first
+    heartbeat or section end, seen by the monitor, for jobs that log no steps)."""
     last_step: Optional[int]
     resumed_from: Optional[int]
 
@@ -51,6 +52,7 @@ def summarize(events: List[dict]) -> List[Incident]:
     injected = _by_cycle(events, ev.FAULT_INJECTED)
     detected = _by_cycle(events, ev.FAULT_DETECTED)
     steps = _by_cycle(events, ev.STEP_DONE)
+    progress = _by_cycle(events, ev.FIRST_PROGRESS)  # for jobs that log no steps of their own
     resumed = _by_cycle(events, ev.TRAINING_RESUMED)
     incidents = []
     for cycle in sorted(failed):
@@ -66,6 +68,7 @@ def summarize(events: List[dict]) -> List[Incident]:
             fault, rank, start = "crash", (int(min(codes)) if codes else None), failure["time"]
         noticed = det["time"] if det is not None else failure["time"]
         later_steps = [e for c, es in steps.items() if c > cycle for e in es]
+        later_steps = later_steps or [e for c, es in progress.items() if c > cycle for e in es]
         first_after = min(later_steps, key=lambda e: e["time"]) if later_steps else None
         restart_from = [e.get("step") for e in resumed.get(cycle + 1, []) if e.get("step") is not None]
         incidents.append(Incident(

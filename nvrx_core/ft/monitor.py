@@ -114,6 +114,7 @@ class NodeMonitor:
         self._seq = 0
         self.cycle = 0
         self._cycle_watches: List[RankWatch] = []
+        self._cycle_progressed = False
 
     # ---- main loop -------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -219,6 +220,7 @@ class NodeMonitor:
         if kind == "cycle":
             self.cycle = msg["cycle"]
             self._cycle_watches = []
+            self._cycle_progressed = False
             self._reply(conn, encode("ok"))
             return
         if kind == "stats":
@@ -227,6 +229,9 @@ class NodeMonitor:
         w = conn.watch
         if w is None:
             raise ProtocolError(f"{kind} before init")
+        if kind in ("hb", "se", "progress") and not self._cycle_progressed:
+            self._cycle_progressed = True
+            self.events.emit(ev.FIRST_PROGRESS, rank=w.rank, cycle=w.cycle, signal=kind)
         if kind == "hb":
             w.last_heartbeat = now
             w.heartbeats += 1
