@@ -44,10 +44,6 @@ class CheckpointConfig:
     """Threads copying CPU tensors into the staging buffers (capped at the CPU count);
     this copy is the part of a save the training loop waits for."""
 
-    background_niceness: int = 10
-    """Added to the nice value of the background worker and writer threads (Linux, per
-    thread), so on a CPU-bound node the training thread wins. 0 leaves them as is."""
-
     def __post_init__(self) -> None:
         check(isinstance(self.writer_threads, int) and 1 <= self.writer_threads <= 64,
               "writer_threads", self.writer_threads, "must be an integer in [1, 64]")
@@ -65,8 +61,6 @@ class CheckpointConfig:
               "chunk_bytes", self.chunk_bytes, "must be an integer in [65536, 2**30]")
         check(isinstance(self.staging_threads, int) and 1 <= self.staging_threads <= 64,
               "staging_threads", self.staging_threads, "must be an integer in [1, 64]")
-        check(isinstance(self.background_niceness, int) and 0 <= self.background_niceness <= 19,
-              "background_niceness", self.background_niceness, "must be an integer in [0, 19]")
 
     @classmethod
     def from_sources(cls, yaml_path: Optional[str] = None,

@@ -216,7 +216,12 @@ class CheckpointStore:
             trash = os.path.join(self.root_dir, f"{_TRASH_PREFIX}{step_dir_name(step)}-{os.getpid()}")
             os.rename(final, trash)
             logger.warning("checkpoint %s is being replaced by a new save of the same step", final)
-        durable.commit_directory(partial_dir, final)
+        try:
+            durable.commit_directory(partial_dir, final)
+        except BaseException:
+            if trash and not os.path.lexists(final):
+                os.rename(trash, final)   # keep the older save of this step
+            raise
         if trash:
             shutil.rmtree(trash, ignore_errors=True)
         return final

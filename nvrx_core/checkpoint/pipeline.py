@@ -192,27 +192,14 @@ class SavePipeline:
     def _ensure_worker(self) -> None:
         if self._thread is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.config.writer_threads, thread_name_prefix="nvrx-ckpt-writer",
-                initializer=self._lower_priority)
+                self.config.writer_threads, thread_name_prefix="nvrx-ckpt-writer")
             self._thread = threading.Thread(target=self._worker_loop, name="nvrx-ckpt-worker",
                                             daemon=True)
             self._thread.start()
 
     # ---- worker side -----------------------------------------------------------------------
 
-    def _lower_priority(self) -> None:
-        """Background threads yield the CPU to training (Linux nice values are per thread)."""
-        if not self.config.background_niceness or not hasattr(os, "setpriority"):
-            return
-        tid = threading.get_native_id()
-        try:
-            current = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, current + self.config.background_niceness))
-        except OSError as e:
-            logger.debug("could not lower the priority of checkpoint thread %d: %r", tid, e)
-
     def _worker_loop(self) -> None:
-        self._lower_priority()
         while True:
             item = self._requests.get()
             if item is None:
