@@ -31,7 +31,6 @@ from nvrx_core.exit_codes import ExitCode
 
 logger = logging.getLogger("nvrx.preemption")
 
-PREEMPTION_SIGNALED = "preemption_signaled"
 PREEMPTION_AGREED = "preemption_agreed"
 WORKER_POLICIES = ("ignore", "default", "inherit")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")

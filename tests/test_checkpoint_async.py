@@ -163,6 +163,7 @@ def test_retention_keeps_the_last_k(tmp_path):
         for step in range(1, 6):
             ckpt.save({"step": torch.tensor(step)}, step)
             ckpt.finalize(blocking=True)
+        assert ckpt.latest_step() == 5
     assert committed_dirs(tmp_path) == ["step_0000000004", "step_0000000005"]
     assert leftovers(tmp_path) == []
 

@@ -166,6 +166,13 @@ def scenario_restore(args: dict, rank: int, world: int) -> dict:
             "global_ok": same_state(from_global.state, rank_state(rank, 20))}
 
 
+def scenario_restore_past_a_corrupt_replica(args: dict, rank: int, world: int) -> dict:
+    local, _ = _managers(args, rank)
+    loaded = local.load()
+    return {"step": loaded.step, "source": loaded.source,
+            "ok": same_state(loaded.state, rank_state(rank, loaded.step))}
+
+
 def main() -> None:
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -208,7 +215,7 @@ def test_local_find_latest_is_the_newest_step_every_rank_has(tmp_path):
     assert all(r["loaded_ok"] for r in results)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_lost_node_is_restored_from_replicas_then_falls_back_to_global(tmp_path):
     args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
     saved = launch("replicated_save", 4, args)
@@ -216,6 +223,11 @@ def test_lost_node_is_restored_from_replicas_then_falls_back_to_global(tmp_path)
     assert [r["held"] for r in saved] == [{"2": [10, 20]}, {"3": [10, 20]},
                                           {"0": [10, 20]}, {"1": [10, 20]}]
     shutil.rmtree(tmp_path / "local" / "node1")
+    damaged = tmp_path / "damaged"          # the same loss, and rank 3's newest replica is bad
+    shutil.copytree(tmp_path, damaged, ignore=shutil.ignore_patterns("damaged", "out"))
+    flip_byte(damaged / "local" / "node0" / "replicas" / "rank_00003" / "step_0000000020"
+              / "rank_00003.data0")
+
     results = launch("restore", 4, args)
     assert [r["latest"] for r in results] == [20] * 4
     assert [r["source"] for r in results] == ["local", "local", "replica", "replica"]
@@ -223,6 +235,19 @@ def test_lost_node_is_restored_from_replicas_then_falls_back_to_global(tmp_path)
     assert [r["restored_steps"] for r in results][2:] == [[20], [20]]   # node1 rebuilt
     assert [(r["global_step"], r["global_source"]) for r in results] == [(20, "global")] * 4
     assert all(r["global_ok"] for r in results)
+
+    # the corrupt replica fails its checksum on arrival: all ranks fall back to step 10
+    results = launch("restore_past_a_corrupt_replica", 4,
+                     {"base": str(damaged), "out": str(tmp_path / "out")})
+    assert [(r["step"], r["source"]) for r in results] == [
+        (10, "local"), (10, "local"), (10, "replica"), (10, "replica")]
+    assert all(r["ok"] for r in results)
+
+
+def flip_byte(path, offset=100):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
 
 
 if __name__ == "__main__":
