@@ -239,3 +239,14 @@ def test_two_nodes_restart_together_over_c10d_rendezvous(tmp_path, reference_has
     for n in (0, 1):
         assert len(kinds(read_events(str(tmp_path / f"events{n}.jsonl")), "restart_begun")) == 1
     assert (tmp_path / "weights.sha").read_text().strip() == reference_hash
+
+
+def test_time_based_hang_freezes_the_process_and_is_recovered(tmp_path):
+    # rank_hung from a thread stops the whole process (SIGSTOP); the monitor still kills it.
+    # 200 steps of 20 ms: the fault (1 s after start) lands in training, not after it.
+    result, events, digest = launch_train(
+        tmp_path, "frozen", ft_flags=["--ft-rank-heartbeat-timeout", "2", "--ft-initial-rank-heartbeat-timeout", "15"],
+        job_flags=["--fault-after", "rank_hung:1:1.0"], steps=200)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert any(e["rank"] == 1 for e in kinds(events, "fault_detected"))
+    assert digest is not None

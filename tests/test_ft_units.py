@@ -175,3 +175,45 @@ def test_incident_summary_from_events():
     assert (hang.fault, hang.rank, hang.detected_after) == ("hang", 0, 0.0)
     assert hang.resumed_after == pytest.approx(1.0)  # from the monitor's first_progress
     assert "detected after 0.10 s" in crash.describe()
+
+
+# ---- simulated faults ---------------------------------------------------------
+def test_fault_injector_targets_one_rank_in_one_cycle():
+    from nvrx_core.ft.faults import FaultInjector, SimulatedFault
+
+    fault = SimulatedFault("rank_killed", rank_to_fail=2, at_iteration=7, cycle=1)
+    assert FaultInjector(fault, rank=2, world_size=4, cycle=1).armed
+    assert not FaultInjector(fault, rank=1, world_size=4, cycle=1).armed
+    assert not FaultInjector(fault, rank=2, world_size=4, cycle=0).armed
+    picks = {FaultInjector(SimulatedFault("random", base_delay=1.0, jitter=2.0, seed=s), rank=0, world_size=8,
+                           cycle=0).kind for s in range(20)}
+    assert picks == {"rank_killed", "rank_hung"}
+    same = [FaultInjector(SimulatedFault("random", base_delay=1.0, jitter=2.0, seed=3), rank=r, world_size=8, cycle=0)
+            for r in range(8)]
+    assert len({(i.target_rank, i.kind, i.delay) for i in same}) == 1  # every rank agrees on the plan
+    assert 1.0 <= same[0].delay < 3.0
+
+
+def test_fault_injector_exception_fires_in_the_loop():
+    from nvrx_core.ft.faults import FaultInjector, SimulatedFault, SimulatedFaultError
+
+    injector = FaultInjector(SimulatedFault("rank_exception", rank_to_fail=0, at_iteration=3), rank=0, world_size=1,
+                             cycle=0)
+    injector.maybe_inject(2)
+    with pytest.raises(SimulatedFaultError):
+        injector.maybe_inject(3)
+    injector.maybe_inject(3)  # fires once
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(fault_type="rank_melted", at_iteration=1), "fault_type"),
+    (dict(fault_type="rank_killed"), "set exactly one"),
+    (dict(fault_type="rank_killed", at_iteration=1, base_delay=1.0), "set exactly one"),
+    (dict(fault_type="rank_exception", base_delay=1.0), "use at_iteration"),
+    (dict(fault_type="rank_hung", base_delay=-1.0), "base_delay"),
+])
+def test_simulated_fault_validation(kwargs, needle):
+    from nvrx_core.ft.faults import SimulatedFault
+
+    with pytest.raises(ConfigError, match=needle):
+        SimulatedFault(**kwargs)
