@@ -91,10 +91,10 @@ def test_hang_detected_in_section_mode(tmp_path):
 
 def test_calculated_timeouts_persist_and_apply_in_next_cycle(tmp_path):
     # Cycle 0 learns timeouts at step 5 (saved with the step-10 checkpoint), then crashes.
-    # Cycle 1 loads them: a hang is caught after ~safety_factor x step time, not the 120 s configured.
+    # Cycle 1 loads them: a hang is caught after ~safety_factor x step time, not the 300 s configured.
     result, events, _ = launch_train(
         tmp_path, "calc",
-        ft_flags=["--ft-rank-heartbeat-timeout", "120", "--ft-safety-factor", "40"],
+        ft_flags=["--ft-rank-heartbeat-timeout", "300", "--ft-safety-factor", "80"],
         job_flags=["--calc-timeouts-at", "5", "--fault", "rank_killed:1:13", "--fault", "rank_hung:0:16:1"],
         step_time=0.05)
     assert result.returncode == 0, result.stdout[-3000:]
@@ -103,7 +103,7 @@ def test_calculated_timeouts_persist_and_apply_in_next_cycle(tmp_path):
     updates = [e for e in kinds(events, "timeouts_updated") if e["cycle"] == 1]
     assert updates, "cycle 1 did not push the saved timeouts to the monitor"
     learned = updates[0]["timeouts"]["heartbeat"]
-    assert 40 * 0.04 < learned < 60, learned
+    assert 80 * 0.04 < learned < 150, learned  # learned from ~50 ms steps; far below the 300 s configured
     detected = [e for e in kinds(events, "fault_detected") if e["cycle"] == 1]
     injected = [e for e in kinds(events, "fault_injected") if e["cycle"] == 1][0]
     assert detected and detected[0]["time"] - injected["time"] < learned + 10
