@@ -322,3 +322,28 @@ def test_preset_yaml_is_valid():
     assert CheckpointConfig.from_sources(preset) == CheckpointConfig()
     assert LocalCheckpointConfig.from_sources(preset) == LocalCheckpointConfig()
     assert PreemptionConfig.from_sources(preset) == PreemptionConfig()
+
+
+def test_a_shard_split_over_several_writer_threads_reads_back_verified(tmp_path):
+    import concurrent.futures
+    import threading
+
+    from nvrx_core.checkpoint.layout import Checksum
+    from nvrx_core.checkpoint.shards import read_shard, write_shard
+
+    state = {f"t{i}": torch.randn(1000 * (i + 1)) for i in range(7)}
+    staged = HostStager().stage(state)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        entries = write_shard(staged, str(tmp_path), 4, pool, threads=3, checksum_algo="adler32",
+                              chunk_bytes=1 << 16, cancel=threading.Event())
+        names = sorted(e.name for e in entries)
+        assert names == ["rank_00004.data0", "rank_00004.data1", "rank_00004.data2",
+                         "rank_00004.index"]
+        sizes = [e.size for e in entries if ".data" in e.name]
+        assert sum(sizes) == staged.nbytes and max(sizes) - min(sizes) <= 7000 * 4  # balanced
+        for entry in entries:
+            checksum = Checksum("adler32")
+            checksum.update((tmp_path / entry.name).read_bytes())
+            assert checksum.value == entry.checksum
+        loaded = read_shard(str(tmp_path), 4, {e.name: e for e in entries}, "adler32", pool=pool)
+    assert_same(state, loaded)

@@ -17,7 +17,8 @@ class CheckpointConfig:
     """How the AsyncCheckpointer writes, keeps and verifies checkpoints."""
 
     writer_threads: int = 2
-    """Threads writing one save's shard files in parallel (the persistent worker owns them)."""
+    """Threads writing one save's shard files in parallel (the persistent worker owns them);
+    capped at half the CPU count so the background write leaves training most cores."""
 
     keep_last: int = 3
     """Committed checkpoints kept under root_dir; older ones are deleted. 0 keeps all."""

@@ -81,6 +81,9 @@ class SavePipeline:
         self._results: "queue.Queue[SaveResult]" = queue.Queue()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._thread: Optional[threading.Thread] = None
+        # Never more writers than half the cores: the background write must leave the
+        # training loop most of the CPU (on a 2-core host: one writer).
+        self.writer_threads = max(1, min(config.writer_threads, (os.cpu_count() or 2) // 2))
         self._next_generation = 1
         self.pending: Dict[int, PendingSave] = {}
         self.stale_completions = 0
@@ -192,7 +195,7 @@ class SavePipeline:
     def _ensure_worker(self) -> None:
         if self._thread is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.config.writer_threads, thread_name_prefix="nvrx-ckpt-writer")
+                self.writer_threads, thread_name_prefix="nvrx-ckpt-writer")
             self._thread = threading.Thread(target=self._worker_loop, name="nvrx-ckpt-worker",
                                             daemon=True)
             self._thread.start()
@@ -222,7 +225,7 @@ class SavePipeline:
                 raise SaveAborted(f"save of step {pending.step} aborted before it started")
             os.makedirs(pending.directory, exist_ok=True)
             entries = write_shard(staged, pending.directory, pending.rank, self._pool,
-                                  self.config.writer_threads, self.config.checksum,
+                                  self.writer_threads, self.config.checksum,
                                   self.config.chunk_bytes, pending.cancel)
         except BaseException as e:  # reported to the training thread, never swallowed
             error = e

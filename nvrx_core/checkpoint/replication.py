@@ -98,8 +98,8 @@ def exchange(group: dist.ProcessGroup, tag_value: int, outgoing: Optional[Shipme
 def transfer(group: dist.ProcessGroup, tag_value: int, sends: Dict[int, Optional[Shipment]],
              receives: List[int]) -> Dict[int, Optional[Shipment]]:
     """Point-to-point shipments: `sends` maps destination rank -> shipment (None: nothing),
-    `receives` lists source ranks (ranks within `group`). Two phases (headers, then payloads), all posted at once
-    so no pair of ranks can deadlock waiting on each other."""
+    `receives` lists source ranks (ranks within `group`). Two phases (headers, then
+    payloads), each posted all at once, so no pair of ranks can deadlock on the other."""
     encoded = {dist.get_global_rank(group, dst): _encode(s) for dst, s in sends.items()}
     receives = [dist.get_global_rank(group, src) for src in receives]
     headers_in = {src: torch.zeros(_HEADER, dtype=torch.int64) for src in receives}
