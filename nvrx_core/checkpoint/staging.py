@@ -13,6 +13,7 @@ import dataclasses
 import math
 import mmap
 import os
+import queue
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -149,26 +150,30 @@ class HostStager:
         return StagedState(skeleton, buffers.tensors, [str(t.device) for t in sources], buffers)
 
     def _copy_host(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Host-to-host copies as memmoves of at most _COPY_CHUNK bytes, spread over a few
-        threads that each take the next chunk when done (the GIL is released).
+        """Host-to-host copies as memmoves of at most _COPY_CHUNK bytes, taken one at a time
+        from a shared queue by this thread and copy_threads - 1 helpers (memmove releases
+        the GIL). The caller starts at once, so on a busy node the copy does not wait for a
+        helper to be scheduled.
 
         Not torch's copy_: it splits a large copy statically across its intra-op threads
         and waits for all of them, so on a busy node one descheduled thread stalls the
         whole copy (measured on a loaded 2-core VM: 0.43 s vs 0.025 s for 256 MiB).
         """
-        chunks = [(dst.data_ptr() + offset, src.data_ptr() + offset, min(_COPY_CHUNK, n - offset))
-                  for dst, src in pairs
-                  for n in [src.numel() * src.element_size()]
-                  for offset in range(0, n, _COPY_CHUNK)]
-        if self._copy_threads == 1 or len(chunks) < 2:
-            for chunk in chunks:
-                ctypes.memmove(*chunk)
-            return
-        if self._copy_pool is None:
-            self._copy_pool = concurrent.futures.ThreadPoolExecutor(
-                self._copy_threads, thread_name_prefix="nvrx-ckpt-stage")
-        for _ in self._copy_pool.map(lambda chunk: ctypes.memmove(*chunk), chunks):
-            pass
+        work: "queue.SimpleQueue[Tuple[int, int, int]]" = queue.SimpleQueue()
+        for dst, src in pairs:
+            nbytes = src.numel() * src.element_size()
+            for offset in range(0, nbytes, _COPY_CHUNK):
+                work.put((dst.data_ptr() + offset, src.data_ptr() + offset,
+                          min(_COPY_CHUNK, nbytes - offset)))
+        helpers = []
+        if self._copy_threads > 1 and work.qsize() > 1:
+            if self._copy_pool is None:
+                self._copy_pool = concurrent.futures.ThreadPoolExecutor(
+                    self._copy_threads - 1, thread_name_prefix="nvrx-ckpt-stage")
+            helpers = [self._copy_pool.submit(_drain, work) for _ in range(self._copy_threads - 1)]
+        _drain(work)
+        for helper in helpers:
+            helper.result()
 
     def close(self) -> None:
         if self._copy_pool is not None:
@@ -196,6 +201,15 @@ class HostStager:
         else:
             tensors = _populated_host_tensors(signature)
         return BufferSet(signature, pinned, tensors)
+
+
+def _drain(work: "queue.SimpleQueue[Tuple[int, int, int]]") -> None:
+    while True:
+        try:
+            dst, src, nbytes = work.get_nowait()
+        except queue.Empty:
+            return
+        ctypes.memmove(dst, src, nbytes)
 
 
 def _populated_host_tensors(signature: Signature) -> List[torch.Tensor]:
