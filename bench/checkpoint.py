@@ -190,9 +190,11 @@ def peer_worker(gib: float, saves: int, workdir: str) -> dict:
     loop = ComputeLoop()
     report = {}
     try:   # the documented entry point
-        TorchAsyncCheckpoint(persistent_queue=True).async_save(state, os.path.join(workdir, "x.pt"))
+        documented = TorchAsyncCheckpoint(persistent_queue=True)
+        documented.async_save(state, os.path.join(workdir, "peer_documented.pt"))
+        documented.finalize_async_save(blocking=True, no_dist=True, terminate=True)
         report["torch_async_checkpoint"] = "ran"
-    except Exception as e:  # noqa: BLE001 - report whatever stops it on CPU
+    except Exception as e:  # report whatever stops it on CPU
         report["torch_async_checkpoint"] = f"{type(e).__name__}: {e}"
     # Its queue (persistent worker process) with torch.save works on CPU when called
     # directly. On CPU its preload (.to("cpu")) is a no-op, so the caller must copy
