@@ -1,0 +1,133 @@
+"""In-process restart parameters, checked before any training starts.
+
+Names and defaults follow nvidia-resiliency-ext's inprocess.Wrapper where it has the same
+knob (soft_timeout 60 s, hard_timeout 90 s, heartbeat_interval 1 s, heartbeat_timeout
+30 s, barrier_timeout 120 s, completion_timeout 120 s, monitor interval 1 s, termination
+grace 5 s), so users moving over keep their settings. Durations are seconds; a
+datetime.timedelta is accepted too.
+"""
+
+import dataclasses
+import datetime
+import os
+import signal
+from typing import Any, Mapping, Optional
+
+from nvrx_core.config import ConfigError, build, check, load_yaml_section
+
+GRANULARITIES = ("rank", "node")
+YAML_SECTION = "inprocess"
+DURATION_FIELDS = (
+    "soft_timeout", "hard_timeout", "heartbeat_interval", "heartbeat_timeout", "barrier_timeout",
+    "completion_timeout", "monitor_interval", "termination_grace",
+)
+
+
+@dataclasses.dataclass
+class InProcessConfig:
+    soft_timeout: float = 60.0
+    """No progress while the GIL is free for this long: the rank is interrupted and restarts."""
+    hard_timeout: float = 90.0
+    """No progress at all (e.g. a C call holding the GIL): the monitor process kills the rank."""
+    heartbeat_interval: float = 1.0
+    """How often each rank tells the store it is alive."""
+    heartbeat_timeout: float = 30.0
+    """A rank (or a whole node) silent this long is declared lost."""
+    barrier_timeout: float = 120.0
+    """Longest wait for the other ranks at a restart barrier; then the Wrapper gives up."""
+    completion_timeout: float = 120.0
+    """Longest wait, after this rank finished, for every active rank to finish."""
+    monitor_interval: float = 1.0
+    """Period of the in-rank monitor thread (soft timeout, peer faults); <= soft_timeout."""
+    termination_grace: float = 5.0
+    """Hard timeout: seconds between the termination signal and SIGKILL."""
+    max_iterations: Optional[int] = None
+    """Calls of the function allowed, the first included (None: unlimited); then exit 22."""
+    max_rank_faults: Optional[int] = None
+    """A rank that caused more faults than this is excluded and exits 22."""
+    active_world_size: Optional[int] = None
+    """Ranks that train; the others are warm reserves (None: all train)."""
+    min_active_world_size: int = 1
+    """Fewer active ranks than this after a fault: every rank gives up (exit 22)."""
+    granularity: str = "rank"
+    """"rank": a fault excludes the rank; "node": it excludes every rank of its node."""
+    empty_cuda_cache: bool = True
+    """Release cached CUDA memory after an abort (only where CUDA was initialised)."""
+    monitor_log_dir: Optional[str] = None
+    """Directory for the monitor processes' logs (monitor_rank<N>.log); None: no file."""
+    interrupt_signal: str = "SIGUSR1"
+    """Signal used to interrupt the rank's main thread (it also breaks blocking sleeps)."""
+    termination_signal: str = "SIGTERM"
+    """Hard timeout: first signal sent to the rank, before SIGKILL."""
+    enabled: bool = True
+    """False: the function is called once, without any restart machinery."""
+
+    def __post_init__(self):
+        for name in DURATION_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, datetime.timedelta):
+                value = value.total_seconds()
+                setattr(self, name, value)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value,
+                  "must be a number of seconds (or a datetime.timedelta)")
+            check(value >= 0 if name == "termination_grace" else value > 0, name, value,
+                  ">= 0" if name == "termination_grace" else "must be > 0")
+        check(self.soft_timeout < self.hard_timeout < self.barrier_timeout, "soft_timeout/hard_timeout/barrier_timeout",
+              (self.soft_timeout, self.hard_timeout, self.barrier_timeout), "need soft_timeout < hard_timeout < barrier_timeout")
+        check(self.heartbeat_interval < self.heartbeat_timeout, "heartbeat_interval", self.heartbeat_interval,
+              f"must be < heartbeat_timeout ({self.heartbeat_timeout})")
+        check(self.heartbeat_timeout < self.barrier_timeout, "heartbeat_timeout", self.heartbeat_timeout,
+              f"must be < barrier_timeout ({self.barrier_timeout})")
+        check(self.monitor_interval < self.soft_timeout, "monitor_interval", self.monitor_interval,
+              f"must be < soft_timeout ({self.soft_timeout})")
+        check(self.monitor_interval < self.heartbeat_timeout, "monitor_interval", self.monitor_interval,
+              f"must be < heartbeat_timeout ({self.heartbeat_timeout})")
+        for name in ("max_iterations", "active_world_size"):
+            value = getattr(self, name)
+            check(value is None or _is_int(value) and value >= 1, name, value, "must be None or an integer >= 1")
+        check(self.max_rank_faults is None or _is_int(self.max_rank_faults) and self.max_rank_faults >= 0,
+              "max_rank_faults", self.max_rank_faults, "must be None or an integer >= 0")
+        check(_is_int(self.min_active_world_size) and self.min_active_world_size >= 1, "min_active_world_size",
+              self.min_active_world_size, "must be an integer >= 1")
+        check(self.active_world_size is None or self.min_active_world_size <= self.active_world_size,
+              "min_active_world_size", self.min_active_world_size,
+              f"must be <= active_world_size ({self.active_world_size})")
+        check(self.granularity in GRANULARITIES, "granularity", self.granularity, f"must be one of {GRANULARITIES}")
+        check(self.monitor_log_dir is None or isinstance(self.monitor_log_dir, str) and os.path.isabs(self.monitor_log_dir),
+              "monitor_log_dir", self.monitor_log_dir, "must be None or an absolute path")
+        _check_signal("interrupt_signal", self.interrupt_signal, must_be_catchable=True)
+        _check_signal("termination_signal", self.termination_signal, must_be_catchable=False)
+        check(self.interrupt_signal != self.termination_signal, "interrupt_signal", self.interrupt_signal,
+              "must differ from termination_signal")
+        for name in ("empty_cuda_cache", "enabled"):
+            check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
+
+    def check_world(self, world_size: int) -> None:
+        """Rules that need the world size; run at the first barrier, before training starts."""
+        check(self.active_world_size is None or self.active_world_size <= world_size, "active_world_size",
+              self.active_world_size, f"must be <= the world size ({world_size})")
+        check(self.min_active_world_size <= world_size, "min_active_world_size", self.min_active_world_size,
+              f"must be <= the world size ({world_size})")
+
+    @classmethod
+    def from_layers(cls, yaml_path: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None) -> "InProcessConfig":
+        """defaults < the `inprocess:` section of `yaml_path` < `overrides`."""
+        layers = [load_yaml_section(yaml_path, YAML_SECTION)] if yaml_path else []
+        return build(cls, *layers, overrides or {}, source=yaml_path or "InProcessConfig")
+
+    def signal_number(self, name: str) -> int:
+        return int(getattr(signal, getattr(self, name)))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_signal(field: str, name, must_be_catchable: bool) -> None:
+    valid = isinstance(name, str) and name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)
+    check(valid, field, name, "must be a signal name such as SIGUSR1")
+    check(name != "SIGSTOP", field, name, "does not end a process")
+    check(not must_be_catchable or name != "SIGKILL", field, name, "cannot be caught; choose another signal")
+
+
+__all__ = ["ConfigError", "InProcessConfig"]

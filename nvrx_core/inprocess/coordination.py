@@ -1,0 +1,217 @@
+"""Store-based coordination between ranks, namespaced per restart iteration.
+
+Keys (under the call's prefix P):
+  P/node/<r>                  node name of initial rank r
+  P/hb/<r>                    heartbeat counter of r (the watcher times changes on its own clock,
+                              so clock skew between nodes does not matter)
+  P/init                      arrivals at the first barrier
+  P/term/<r>, P/term_list, P/term_count
+                              r is gone for good (first writer wins; list = "r:cause\n" lines)
+  P/it<k>/nrec, P/it<k>/rec   interruption records of iteration k (counter, JSON lines)
+  P/it<k>/arrive, .../arrived restart barrier of iteration k (counter, "r," list)
+  P/it<k>/plan                the next iteration's plan (first writer wins)
+  P/it<k>/done                active ranks that finished iteration k
+  P/it<k>/pg/...              the user's process group store for iteration k
+  P/left                      ranks that left (the store host waits for them)
+
+Counters are polled (one cheap request); lists are read only when the counters say a
+barrier may be complete, so polling cost does not grow with the number of ranks.
+"""
+
+import logging
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch.distributed as dist
+
+from nvrx_core.inprocess.errors import BarrierTimeout
+from nvrx_core.inprocess.records import Cause, InterruptionRecord
+
+logger = logging.getLogger("nvrx.inprocess")
+
+POLL_MIN, POLL_MAX = 0.002, 0.05
+
+
+class Poller:
+    """Sleeps between polls: fast at first (restarts are latency-critical), then backing off."""
+
+    def __init__(self, sleep: Callable[[float], None] = time.sleep):
+        self._sleep = sleep
+        self._delay = POLL_MIN
+
+    def wait(self) -> None:
+        self._sleep(self._delay)
+        self._delay = min(POLL_MAX, self._delay * 1.5)
+
+
+class HeartbeatWatch:
+    """Tracks when each watched counter last changed, on this process's monotonic clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._seen: Dict[int, Tuple[bytes, float]] = {}
+
+    def update(self, values: Dict[int, bytes]) -> None:
+        now = self._clock()
+        for rank, value in values.items():
+            old = self._seen.get(rank)
+            if old is None or old[0] != value:
+                self._seen[rank] = (value, now)
+
+    def stale(self, timeout: float) -> List[int]:
+        now = self._clock()
+        return sorted(r for r, (_, changed) in self._seen.items() if now - changed > timeout)
+
+
+class Coordinator:
+    """One client's view of the coordination keys of one Wrapper call."""
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int):
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+
+    def key(self, *parts) -> str:
+        return "/".join((self.prefix, *map(str, parts)))
+
+    def iteration_prefix(self, iteration: int) -> str:
+        return self.key(f"it{iteration}")
+
+    # ---- presence ----------------------------------------------------------------
+    def heartbeat(self) -> None:
+        self.store.add(self.key("hb", self.rank), 1)
+
+    def heartbeats(self, ranks: Sequence[int]) -> Dict[int, bytes]:
+        if not ranks:
+            return {}
+        values = self.store.multi_get([self.key("hb", r) for r in ranks])
+        return dict(zip(ranks, values))
+
+    def initial_barrier(self, node: str, world_size: int, timeout: float) -> List[str]:
+        """Every initial rank announces itself and its node; returns the node of each rank."""
+        self.store.set(self.key("node", self.rank), node)
+        self.heartbeat()
+        self.store.add(self.key("init"), 1)
+        deadline, poller = time.monotonic() + timeout, Poller()
+        while self.store.add(self.key("init"), 0) < world_size:
+            if time.monotonic() > deadline:
+                arrived = self.store.add(self.key("init"), 0)
+                raise BarrierTimeout(f"only {arrived} of {world_size} ranks reached the first in-process "
+                                     f"barrier within barrier_timeout={timeout} s")
+            poller.wait()
+        return [v.decode() for v in self.store.multi_get([self.key("node", r) for r in range(world_size)])]
+
+    # ---- termination ---------------------------------------------------------------
+    def mark_terminated(self, rank: int, cause: Cause, detail: str = "") -> bool:
+        """Declare `rank` gone for good; True if this call was the first to say so."""
+        claim = f"{self.rank}:{cause.value}"
+        if self.store.compare_set(self.key("term", rank), "", claim).decode() != claim:
+            return False
+        self.store.append(self.key("term_list"), f"{rank}:{cause.value}\n")
+        self.store.add(self.key("term_count"), 1)
+        logger.warning("initial rank %d declared terminated (%s) by rank %d %s", rank, cause.value, self.rank, detail)
+        return True
+
+    def terminated_count(self) -> int:
+        return self.store.add(self.key("term_count"), 0)
+
+    def terminated(self) -> Dict[int, str]:
+        """Initial rank -> cause, for every rank declared terminated so far."""
+        if not self.store.check([self.key("term_list")]):
+            return {}
+        out = {}
+        for line in self.store.get(self.key("term_list")).decode().splitlines():
+            rank, _, cause = line.partition(":")
+            out.setdefault(int(rank), cause)
+        return out
+
+    # ---- interruptions ---------------------------------------------------------------
+    def record(self, iteration: int, cause: Cause, detail: str = "", rank: Optional[int] = None) -> InterruptionRecord:
+        count = self.store.add(self.key(f"it{iteration}", "nrec"), 1)
+        record = InterruptionRecord(self.rank if rank is None else rank, cause, detail, self.rank, first=count == 1)
+        self.store.append(self.key(f"it{iteration}", "rec"), record.to_json() + "\n")
+        return record
+
+    def interruption_count(self, iteration: int) -> int:
+        return self.store.add(self.key(f"it{iteration}", "nrec"), 0)
+
+    def records(self, iteration: int) -> List[InterruptionRecord]:
+        key = self.key(f"it{iteration}", "rec")
+        if not self.store.check([key]):
+            return []
+        return [InterruptionRecord.from_json(line) for line in self.store.get(key).decode().splitlines() if line]
+
+    def interrupted(self, iteration: int, terminated_base: int) -> bool:
+        """Did anything end iteration `iteration`: a record, or a rank declared terminated?"""
+        return self.interruption_count(iteration) > 0 or self.terminated_count() > terminated_base
+
+    # ---- completion ------------------------------------------------------------------
+    def mark_done(self, iteration: int) -> None:
+        self.store.add(self.key(f"it{iteration}", "done"), 1)
+
+    def done_count(self, iteration: int) -> int:
+        return self.store.add(self.key(f"it{iteration}", "done"), 0)
+
+    # ---- restart barrier ---------------------------------------------------------------
+    def arrive(self, iteration: int) -> None:
+        self.store.append(self.key(f"it{iteration}", "arrived"), f"{self.rank},")
+        self.store.add(self.key(f"it{iteration}", "arrive"), 1)
+
+    def arrived(self, iteration: int) -> Set[int]:
+        key = self.key(f"it{iteration}", "arrived")
+        if not self.store.check([key]):
+            return set()
+        text = self.store.get(key).decode()
+        return {int(r) for r in text.split(",") if r}
+
+    def wait_for_members(self, iteration: int, members: Iterable[int], terminated_base: int, timeout: float,
+                         heartbeat_timeout: float, heartbeat_interval: float,
+                         on_lost: Callable[[int], None]) -> Tuple[Set[int], Dict[int, str]]:
+        """Wait until each member of `iteration` has arrived or is declared terminated.
+
+        Members silent for heartbeat_timeout are declared lost (on_lost(rank) does it).
+        Returns (arrived, terminated-so-far).
+        """
+        members = set(members)
+        deadline, poller = time.monotonic() + timeout, Poller()
+        watch, next_scan = HeartbeatWatch(), 0.0
+        while True:
+            arrivals = self.store.add(self.key(f"it{iteration}", "arrive"), 0)
+            new_terms = self.terminated_count() - terminated_base
+            if arrivals + new_terms >= len(members):
+                arrived, terminated = self.arrived(iteration), self.terminated()
+                if members <= arrived | set(terminated):
+                    return arrived, terminated
+            now = time.monotonic()
+            if now > deadline:
+                missing = sorted(members - self.arrived(iteration) - set(self.terminated()))
+                raise BarrierTimeout(f"restart barrier of iteration {iteration}: ranks {missing[:20]} did not "
+                                     f"arrive within barrier_timeout={timeout} s")
+            if now >= next_scan:
+                next_scan = now + heartbeat_interval
+                watch.update(self.heartbeats(sorted(members)))
+                for rank in watch.stale(heartbeat_timeout):
+                    on_lost(rank)
+            poller.wait()
+
+    def propose_plan(self, iteration: int, plan_json: str) -> str:
+        """First proposal wins; everyone gets the winning plan back."""
+        return self.store.compare_set(self.key(f"it{iteration}", "plan"), "", plan_json).decode()
+
+    def wait_for_plan(self, iteration: int, timeout: float) -> str:
+        key, deadline, poller = self.key(f"it{iteration}", "plan"), time.monotonic() + timeout, Poller()
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise BarrierTimeout(f"no restart plan for iteration {iteration + 1} within {timeout} s")
+            poller.wait()
+        return self.store.get(key).decode()
+
+    # ---- leaving ---------------------------------------------------------------------
+    def leave(self) -> None:
+        self.store.add(self.key("left"), 1)
+
+    def wait_for_leavers(self, expected: int, timeout: float) -> int:
+        deadline, poller = time.monotonic() + timeout, Poller()
+        while (left := self.store.add(self.key("left"), 0)) < expected and time.monotonic() < deadline:
+            poller.wait()
+        return left

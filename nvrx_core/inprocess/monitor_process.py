@@ -1,0 +1,199 @@
+"""The hard-timeout monitor: a separate process that kills a rank making no progress at all.
+
+A rank stuck in a C call that holds the GIL cannot interrupt itself: no thread of it can
+run. So each rank forks a small monitor process when the Wrapper starts. The rank's
+monitor thread writes "progress <t>" lines (t: the main thread's last progress, on the
+shared CLOCK_MONOTONIC) into a pipe; the monitor process:
+- kills the rank (termination_signal, then SIGKILL after termination_grace) when its
+  last progress is older than hard_timeout, and declares it terminated in the store;
+- declares the rank terminated (cause "exited") when it dies on its own: the pipe hits
+  end-of-file, or the monitor's parent changes (the rank was its parent);
+- exits quietly on "stop", when the rank leaves the Wrapper normally.
+
+Forked rather than spawned: a fresh interpreter would import torch again (seconds of CPU
+per rank, on every start); the child only runs plain Python and, when it must declare a
+termination, opens its own store client.
+"""
+
+import dataclasses
+import logging
+import os
+import selectors
+import signal
+import time
+from typing import Callable, Optional
+
+from nvrx_core import events as ev
+from nvrx_core.inprocess.records import RANK_TERMINATED, Cause
+
+logger = logging.getLogger("nvrx.inprocess.monitor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorSettings:
+    rank: int
+    hard_timeout: float
+    termination_grace: float
+    termination_signal: int
+    interval: float
+    log_path: Optional[str] = None
+
+
+class MonitorProcess:
+    """The rank's handle on its monitor process."""
+
+    def __init__(self, settings: MonitorSettings, declare_terminated: Callable[[Cause, str], None]):
+        self.settings = settings
+        self._declare = declare_terminated  # runs in the child
+        self.pid: Optional[int] = None
+        self._write_fd: Optional[int] = None
+
+    def start(self) -> None:
+        read_fd, write_fd = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the monitor process
+            code = 0
+            try:
+                os.close(write_fd)
+                code = _Watcher(self.settings, parent, read_fd, self._declare).run()
+            except BaseException:  # noqa: BLE001 - never fall back into the rank's code
+                logger.exception("in-process monitor of rank %d failed", self.settings.rank)
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_fd)
+        os.set_blocking(write_fd, False)
+        self.pid, self._write_fd = pid, write_fd
+
+    def report_progress(self, last_progress: float) -> None:
+        self._send(f"progress {last_progress:.6f}\n")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Tell the monitor the rank leaves normally, and reap it."""
+        if self.pid is None:
+            return
+        self._send("stop\n")
+        os.close(self._write_fd)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        self.pid = self._write_fd = None
+
+    def _send(self, line: str) -> None:
+        if self._write_fd is None:
+            return
+        try:
+            os.write(self._write_fd, line.encode())
+        except BlockingIOError:
+            pass  # the monitor is behind; a newer line follows
+
+
+class _Watcher:
+    """The monitor process's loop."""
+
+    def __init__(self, settings: MonitorSettings, rank_pid: int, read_fd: int,
+                 declare: Callable[[Cause, str], None]):
+        self.settings = settings
+        self.rank_pid = rank_pid
+        self.read_fd = read_fd
+        self.declare = declare
+        self.last_progress = time.monotonic()
+        self.buffer = b""
+        self.events = ev.EventLog.from_env(source="inprocess_monitor")
+        self.events.rank = settings.rank
+
+    def run(self) -> int:
+        self._detach()
+        selector = selectors.DefaultSelector()
+        selector.register(self.read_fd, selectors.EVENT_READ)
+        while True:
+            if selector.select(timeout=self.settings.interval):
+                data = os.read(self.read_fd, 65536)
+                if not data:
+                    return self._rank_gone("the rank's end of the monitor pipe closed")
+                if self._consume(data):
+                    return 0
+            if os.getppid() != self.rank_pid:
+                return self._rank_gone("the rank process is gone")
+            stalled = time.monotonic() - self.last_progress
+            if stalled > self.settings.hard_timeout:
+                return self._kill(stalled)
+
+    def _detach(self) -> None:
+        """Forget the rank's signal handlers and logging; keep running if the rank's group is interrupted."""
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if self.settings.log_path:
+            handler = logging.FileHandler(self.settings.log_path)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+        logger.info("monitor of rank %d (pid %d) started; hard_timeout=%.1f s", self.settings.rank,
+                    self.rank_pid, self.settings.hard_timeout)
+
+    def _consume(self, data: bytes) -> bool:
+        """Apply complete lines; True on "stop"."""
+        self.buffer += data
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            word, _, value = line.decode(errors="replace").partition(" ")
+            if word == "stop":
+                logger.info("rank %d left the Wrapper; monitor exits", self.settings.rank)
+                return True
+            if word == "progress":
+                try:
+                    self.last_progress = max(self.last_progress, float(value))
+                except ValueError:
+                    logger.warning("malformed progress line %r", line[:80])
+        return False
+
+    def _kill(self, stalled: float) -> int:
+        pid, settings = self.rank_pid, self.settings
+        detail = f"no progress for {stalled:.1f} s > hard_timeout={settings.hard_timeout} s"
+        logger.error("rank %d (pid %d): %s; sending %s", settings.rank, pid, detail,
+                     signal.Signals(settings.termination_signal).name)
+        _signal(pid, settings.termination_signal)
+        deadline = time.monotonic() + settings.termination_grace
+        while time.monotonic() < deadline and _alive(pid) and os.getppid() == pid:
+            time.sleep(0.02)
+        if _alive(pid) and os.getppid() == pid:
+            _signal(pid, signal.SIGKILL)
+        self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail)
+        self._declare_safely(Cause.HARD_TIMEOUT, detail)
+        return 0
+
+    def _rank_gone(self, detail: str) -> int:
+        logger.error("rank %d: %s", self.settings.rank, detail)
+        self._declare_safely(Cause.EXITED, detail)
+        return 0
+
+    def _declare_safely(self, cause: Cause, detail: str) -> None:
+        self.events.emit(RANK_TERMINATED, cause=cause.value, detail=detail)
+        try:
+            self.declare(cause, detail)
+        except Exception as e:  # the store may have died with the rank (rank 0 hosted it)
+            logger.error("could not declare rank %d terminated in the store: %s", self.settings.rank, e)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
