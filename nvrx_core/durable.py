@@ -56,15 +56,6 @@ def atomic_write_with(path: str, writer: Callable[[BinaryIO], None], mode: int =
         writer(f)
 
 
-def fsync_file(path: str) -> None:
-    """Flush a file written by other means (e.g. several writer threads) to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit_directory(tmp_dir: str, final_dir: str) -> None:
     """Atomically publish a fully written directory under its final name.
 
