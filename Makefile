@@ -29,7 +29,8 @@ peer: $(PEER_VENV)/.installed
 $(PEER_VENV)/.installed:
 	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/python -c "import torch" 2>/dev/null || $(PEER_VENV)/bin/pip install -q $(TORCH_PIN)
-	$(PEER_VENV)/bin/pip install -q nvidia-resiliency-ext==0.4.1
+	# numpy: nvidia-resiliency-ext's checkpointing imports it without declaring it
+	$(PEER_VENV)/bin/pip install -q nvidia-resiliency-ext==0.4.1 numpy
 	touch $@
 
 bench: venv peer
