@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
+from queue import Empty
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,8 +52,13 @@ def run_ranks(worker, world: int, params: dict, deadline_s: float = 300.0) -> li
     try:
         deadline = time.monotonic() + deadline_s
         while len(results) < world:
-            rank, result = queue.get(timeout=max(deadline - time.monotonic(), 1.0))
-            results[rank] = result
+            try:
+                rank, result = queue.get(timeout=1.0)
+                results[rank] = result
+            except Empty:
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"benchmark ranks failed or hung: {failed or 'deadline passed'}") from None
     finally:
         for p in procs:
             p.join(10)
@@ -76,39 +83,52 @@ def _rank_main(worker, rank, world, port, params, queue):
 
 
 def _overhead_worker(rank, world, p):
-    """Plain and detected steps alternate, so both see the same load from the rest of the
-    machine. Medians of step times are robust to its stalls; the periodic cost (schedule
-    checks, reports: time inside step() beyond its typical cost) is added back, amortized.
-    step() runs on every other step, so reports every 2 x OVERHEAD_REPORT_INTERVAL of wall
-    time are every OVERHEAD_REPORT_INTERVAL of detected steps."""
+    """A plain step and a detected step form a pair, in alternating order, so both see the
+    same load from the rest of the machine and neither position is favoured. The overhead
+    is the median of the paired differences (robust to that load's stalls) plus the
+    periodic cost (schedule checks and reports: time inside step() beyond its typical
+    cost), amortized per step. step() runs on every other step, so reports every
+    2 x OVERHEAD_REPORT_INTERVAL of wall time are every OVERHEAD_REPORT_INTERVAL of
+    detected steps."""
     grad = torch.zeros(1024)
     fwd_s, bwd_s = 0.6 * p["step_s"], 0.4 * p["step_s"]
+
+    def plain_step() -> None:
+        time.sleep(fwd_s)
+        time.sleep(bwd_s)
+        dist.all_reduce(grad)
+
+    def detected_step(detector: Detector) -> Tuple[float, bool]:
+        with detector.section("fwd"):
+            time.sleep(fwd_s)
+        with detector.section("bwd"):
+            time.sleep(bwd_s)
+        with detector.section("grad_sync", kind="wait"):
+            dist.all_reduce(grad)
+        start = time.perf_counter()
+        reported = detector.step() is not None
+        return time.perf_counter() - start, reported
+
     runs = []
     for _ in range(p["runs"]):
         detector = Detector(quiet_config(report_time_interval=2 * OVERHEAD_REPORT_INTERVAL), events=EventLog(None))
         plain, ours, in_step, reports = [], [], [], 0
         dist.barrier()
-        for _ in range(p["pairs"]):
-            start = time.perf_counter()
-            time.sleep(fwd_s)
-            time.sleep(bwd_s)
-            dist.all_reduce(grad)
-            middle = time.perf_counter()
-            with detector.section("fwd"):
-                time.sleep(fwd_s)
-            with detector.section("bwd"):
-                time.sleep(bwd_s)
-            with detector.section("grad_sync", kind="wait"):
-                dist.all_reduce(grad)
-            before_step = time.perf_counter()
-            reports += detector.step() is not None
-            end = time.perf_counter()
-            plain.append(middle - start)
-            ours.append(end - middle)
-            in_step.append(end - before_step)
+        for i in range(p["pairs"]):
+            for detected in (False, True) if i % 2 == 0 else (True, False):
+                start = time.perf_counter()
+                if detected:
+                    spent, reported = detected_step(detector)
+                    in_step.append(spent)
+                    reports += reported
+                else:
+                    plain_step()
+                (ours if detected else plain).append(time.perf_counter() - start)
         periodic = (sum(in_step) - statistics.median(in_step) * len(in_step)) / len(in_step)
-        plain_s, ours_s = statistics.median(plain), statistics.median(ours) + periodic
-        runs.append({"plain": plain_s, "ours": ours_s, "ratio": ours_s / plain_s, "periodic": periodic, "reports": reports})
+        extra = statistics.median(o - q for o, q in zip(ours, plain)) + periodic
+        plain_s = statistics.median(plain)
+        runs.append({"plain": plain_s, "ours": plain_s + extra, "ratio": 1 + extra / plain_s, "periodic": periodic,
+                     "reports": reports})
     result = {k: statistics.median(r[k] for r in runs) for k in ("plain", "ours", "ratio", "periodic")}
     result["ratios"] = [r["ratio"] for r in runs]
     result["reports"] = [r["reports"] for r in runs]
@@ -221,7 +241,7 @@ def _scenario_worker(rank, world, p):
 
 
 def detection_latency() -> dict:
-    p = dict(interval=1.0, fwd_s=0.004, bwd_s=0.002, jitter=0.0, seed=7, slow_rank=3, slow_factor=1.3)
+    p = dict(interval=1.0, fwd_s=0.010, bwd_s=0.005, jitter=0.0, seed=7, slow_rank=3, slow_factor=1.3)
     p.update(inject_after=3, reports=8)
     rank0 = run_ranks(_scenario_worker, 4, p)[0]
     injected_at = rank0["injected_at"]
@@ -237,7 +257,7 @@ def detection_latency() -> dict:
 
 
 def false_positives() -> dict:
-    p = dict(interval=0.5, fwd_s=0.004, bwd_s=0.002, jitter=0.2, seed=1234, slow_rank=-1, slow_factor=1.0)
+    p = dict(interval=0.6, fwd_s=0.010, bwd_s=0.005, jitter=0.2, seed=1234, slow_rank=-1, slow_factor=1.0)
     p.update(inject_after=0, reports=20)
     rank0 = run_ranks(_scenario_worker, 4, p)[0]
     return {

@@ -1,7 +1,8 @@
 """Straggler detection on real gloo process groups: 4 (or 2) spawned processes each.
 
-Steps are sleeps (a few ms, no CPU needed) followed by a real all_reduce, so the fast ranks
-genuinely wait for the slow one, as in data-parallel training. Jitter is seeded per rank.
+Steps are sleeps (10 + 5 ms, no CPU needed, long enough that this busy host's wake-up
+latency is small against them) followed by a real all_reduce, so the fast ranks genuinely
+wait for the slow one, as in data-parallel training. Jitter is seeded per rank.
 """
 
 import datetime
@@ -131,7 +132,7 @@ def _first_flag(reports, rank, kind, scope):
 # ---------------------------------------------------------------- tests
 
 BASE_CONFIG = dict(
-    report_time_interval=0.5,
+    report_time_interval=0.6,
     warmup_reports=1,
     consecutive_reports=2,
     num_scores_to_print=0,
@@ -145,8 +146,8 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
     inject_after = 3
     params = dict(
         config=dict(BASE_CONFIG, gather_on_rank0=True),
-        fwd_s=0.006,
-        bwd_s=0.003,
+        fwd_s=0.010,
+        bwd_s=0.005,
         slow={2: 1.3, 3: 2.0},
         inject_after=inject_after,
         reports=7,
@@ -189,9 +190,9 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
 def test_no_false_positive_over_20_reports_with_jitter(tmp_path):
     """+-20% seeded random jitter on every section of every rank, no injection."""
     params = dict(
-        config=dict(BASE_CONFIG, report_time_interval=0.5, gather_on_rank0=False),
-        fwd_s=0.004,
-        bwd_s=0.002,
+        config=dict(BASE_CONFIG, gather_on_rank0=False),
+        fwd_s=0.010,
+        bwd_s=0.005,
         jitter=0.2,
         seed=1234,
         reports=20,
@@ -217,9 +218,9 @@ def test_no_false_positive_over_20_reports_with_jitter(tmp_path):
 def test_stop_if_detected_checkpoints_then_exits_19(tmp_path):
     events_file = str(tmp_path / "events.jsonl")
     params = dict(
-        config=dict(BASE_CONFIG, report_time_interval=0.3, stop_if_detected=True, gather_on_rank0=True),
-        fwd_s=0.004,
-        bwd_s=0.002,
+        config=dict(BASE_CONFIG, report_time_interval=0.4, stop_if_detected=True, gather_on_rank0=True),
+        fwd_s=0.006,
+        bwd_s=0.003,
         slow={3: 2.0},
         reports=30,
         max_steps=4000,

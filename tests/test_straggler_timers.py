@@ -42,7 +42,7 @@ def timed(store, clock, name, seconds, kind=COMPUTE):
         clock.advance(seconds)
 
 
-def test_medians_and_per_step_totals():
+def test_per_step_figures_are_sums_of_section_medians():
     clock = FakeClock()
     store = TimingStore(clock)
     for fwd_ms in (10, 11, 30):  # one outlier step
@@ -54,9 +54,29 @@ def test_medians_and_per_step_totals():
     assert times.steps == 3
     assert times.sections["fwd"].cpu_ms == pytest.approx(11.0)
     assert times.sections["fwd"].count == 3 and times.sections["fwd"].cuda_ms is None
-    assert times.compute_ms == pytest.approx(16.0)  # median of 15, 16, 35
+    assert times.compute_ms == pytest.approx(16.0)  # 11 + 5: the 30 ms stall moves no median
     assert times.wait_ms == pytest.approx(2.0)
     assert times.sections["sync"].kind == WAIT
+
+
+def test_stalls_in_different_sections_do_not_add_up():
+    """Each step has one stalled section, in turn: every section's median stays normal, and
+    so does the per-step figure (a median of per-step sums would be 30 ms)."""
+    clock = FakeClock()
+    store = TimingStore(clock)
+    for step in range(6):
+        timed(store, clock, "fwd", 0.025 if step % 2 == 0 else 0.005)
+        timed(store, clock, "bwd", 0.025 if step % 2 == 1 else 0.005)
+        store.end_step()
+    times = store.summarize()
+    assert times.sections["fwd"].cpu_ms == pytest.approx(15.0)  # median of 5, 25 (3 of each)
+    assert times.compute_ms == pytest.approx(30.0)
+    for _ in range(2):  # with most steps unstalled, the stalls vanish from the figures
+        for _ in range(3):
+            timed(store, clock, "fwd", 0.005)
+            timed(store, clock, "bwd", 0.005)
+            store.end_step()
+    assert store.summarize().compute_ms == pytest.approx(10.0)
 
 
 def test_wait_nested_in_compute_is_subtracted_and_nested_compute_not_double_counted():
@@ -68,9 +88,11 @@ def test_wait_nested_in_compute_is_subtracted_and_nested_compute_not_double_coun
         timed(store, clock, "grad_allreduce", 0.003, kind=WAIT)
         clock.advance(0.002)
     times = store.summarize()
-    assert times.compute_ms == pytest.approx(7.0)  # 10 ms section minus 3 ms of waiting
+    assert times.sections["backward"].cpu_ms == pytest.approx(7.0)  # 10 ms section minus 3 ms of waiting
+    assert times.sections["inner_compute"].cpu_ms == pytest.approx(1.0)
+    assert times.compute_ms == pytest.approx(7.0)  # the nested compute section is not counted twice
     assert times.wait_ms == pytest.approx(3.0)
-    assert times.sections["backward"].cpu_ms == pytest.approx(10.0)
+    assert times.steps == 1
 
 
 def test_reentering_a_section_is_an_error_and_failed_entries_are_not_recorded():
@@ -110,6 +132,18 @@ def test_section_names_and_kinds_are_checked():
         store.section("overall")
 
 
+def test_cuda_time_of_nested_waits_is_subtracted():
+    clock = FakeClock()
+    store = TimingStore(clock, EventPool(lambda: FakeEvent(clock, gpu_factor=1.0)))
+    with store.section("backward"):
+        clock.advance(0.006)
+        timed(store, clock, "grad_allreduce", 0.004, kind=WAIT)
+    times = store.summarize()
+    assert times.sections["backward"].cuda_ms == pytest.approx(6.0)
+    assert times.sections["grad_allreduce"].cuda_ms == pytest.approx(4.0)
+    assert times.compute_ms == pytest.approx(6.0) and times.wait_ms == pytest.approx(4.0)
+
+
 def test_cuda_events_read_back_at_report_time_and_reused():
     clock = FakeClock()
     pool = EventPool(lambda: FakeEvent(clock, gpu_factor=0.5))  # GPU busy half the wall time
@@ -125,7 +159,7 @@ def test_cuda_events_read_back_at_report_time_and_reused():
     assert times.sections["fwd"].ms == pytest.approx(5.0)  # scores use CUDA time
     assert times.sections["fwd"].cpu_ms == pytest.approx(10.0)
     assert times.compute_ms == pytest.approx(5.0)
-    assert store.sections["fwd"].cuda_pairs[-1][1].synced
+    assert store.sections["fwd"].cuda[-1][1].synced
     store.reset()
     for _ in range(4):
         timed(store, clock, "fwd", 0.010)

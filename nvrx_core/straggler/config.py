@@ -59,9 +59,10 @@ class StragglerConfig:
     profiling_interval: int = 1
     """Time sections only in every N-th step (1 = every step)."""
 
-    schedule_checks_per_interval: int = 4
-    """Most "is a report due" agreements (one tiny all_reduce each) per report interval;
-    more make reports more punctual when step times change, fewer cost less."""
+    schedule_checks_per_interval: int = 2
+    """About how many "is a report due" agreements (one tiny all_reduce each) to make per
+    report interval; more make reports more punctual when step times change, fewer cost
+    less. With 2, a report is late by at most half an interval times the step slowdown."""
 
     num_scores_to_print: int = 5
     """Rows of best and of worst ranks in the logged table (0: log only when flagged)."""

@@ -144,7 +144,7 @@ class Detector:
     def step(self) -> Optional[Report]:
         """End one training step; returns a Report when one was due (on every rank)."""
         store = self._store
-        if store.step_has_compute or store.step_has_wait:
+        if store.step_timed:
             store.end_step()
         self._step_index += 1
         if self._config.profiling_interval > 1:

@@ -4,9 +4,14 @@ Entering and leaving a section costs two clock reads and a list append. On CUDA 
 also records two events on the current stream; they are read back (one synchronize per
 section) only when a report is made, so the training loop never waits for the GPU.
 
-Compute is kept apart from waiting: sections of kind "wait" (a collective, a barrier)
-are summed separately, and a wait nested inside a compute section is subtracted from it.
-The rank the others wait for is the one whose compute is slow and whose wait is short.
+Compute is kept apart from waiting: sections of kind "wait" (a collective, a barrier) are
+summed separately, and the time of a wait nested inside a compute section is subtracted
+from that section's entry. The rank the others wait for is the one whose compute is slow
+and whose wait is short.
+
+Per-step figures are sums of per-section medians (times entries per step), not medians of
+per-step sums: one stall in some step of some section moves a median of sums, but not a
+median of each section.
 """
 
 import dataclasses
@@ -40,9 +45,11 @@ class SectionTimes:
     kind: str
     count: int
     cpu_ms: float
-    """Median wall time of one entry."""
+    """Median wall time of one entry (less the waits nested in it)."""
     cuda_ms: Optional[float]
-    """Median CUDA-event time of one entry; None when not timed on CUDA."""
+    """Median CUDA-event time of one entry (less nested waits); None when not on CUDA."""
+    top_level: int = 0
+    """Entries not nested in another compute section."""
 
     @property
     def ms(self) -> float:
@@ -53,27 +60,34 @@ class SectionTimes:
 @dataclasses.dataclass(frozen=True)
 class IntervalTimes:
     steps: int
-    """Steps in which a compute section was timed."""
+    """Steps in which a section was timed."""
     compute_ms: Optional[float]
-    """Median per-step compute time (top-level compute sections minus nested waits)."""
+    """Per-step compute: sum over top-level compute sections of median x entries per step."""
     wait_ms: Optional[float]
-    """Median per-step time inside wait sections."""
+    """Per-step waiting: sum over wait sections of median x entries per step."""
     sections: Dict[str, SectionTimes]
+
+
+# A CUDA sample: (start event, end event, wait event pairs nested in this entry).
+CudaSample = Tuple[Any, Any, Tuple[Tuple[Any, Any], ...]]
 
 
 class Section:
     """A named timed region; reusable, not re-entrant, used from the training thread."""
 
-    __slots__ = ("name", "kind", "_store", "_t0", "_start_event", "cpu_s", "cuda_pairs")
+    __slots__ = ("name", "kind", "_store", "_t0", "_waited0", "_nested0", "_start_event", "cpu_s", "cuda", "top_level")
 
     def __init__(self, name: str, kind: str, store: "TimingStore"):
         self.name = name
         self.kind = kind
         self._store = store
         self._t0: Optional[float] = None
+        self._waited0 = 0.0
+        self._nested0 = 0
         self._start_event = None
         self.cpu_s: List[float] = []
-        self.cuda_pairs: List[Tuple[Any, Any]] = []
+        self.cuda: List[CudaSample] = []
+        self.top_level = 0
 
     def __enter__(self) -> "Section":
         store = self._store
@@ -86,6 +100,8 @@ class Section:
             )
         if self.kind is COMPUTE:
             store.compute_depth += 1
+            self._waited0 = store.nested_wait_s
+            self._nested0 = len(store.nested_wait_events)
         pool = store.event_pool
         if pool is not None:
             event = pool.acquire()
@@ -109,26 +125,27 @@ class Section:
             if start is not None:
                 store.event_pool.release([start])
             return False
-        self.cpu_s.append(elapsed)
-        pair = None
+        end = None
         if start is not None:
             end = store.event_pool.acquire()
             end.record()
-            pair = (start, end)
-            self.cuda_pairs.append(pair)
+        store.step_timed = True
         if compute:
+            self.cpu_s.append(elapsed - (store.nested_wait_s - self._waited0))
+            if end is not None:
+                self.cuda.append((start, end, tuple(store.nested_wait_events[self._nested0 :])))
             if store.compute_depth == 0:
-                store.step_compute += elapsed
-                store.step_has_compute = True
-                if pair is not None:
-                    store.step_cuda.append((pair, 1))
+                self.top_level += 1
+                if store.nested_wait_events:
+                    store.nested_wait_events.clear()
         else:
-            store.step_wait += elapsed
-            store.step_has_wait = True
+            self.cpu_s.append(elapsed)
+            if end is not None:
+                self.cuda.append((start, end, ()))
             if store.compute_depth > 0:
-                store.step_compute -= elapsed
-                if pair is not None:
-                    store.step_cuda.append((pair, -1))
+                store.nested_wait_s += elapsed
+                if end is not None:
+                    store.nested_wait_events.append((start, end))
         return False
 
 
@@ -152,14 +169,11 @@ class TimingStore:
         self.active = True
         self.sections: Dict[str, Section] = {}
         self.compute_depth = 0
-        self.step_compute = 0.0
-        self.step_wait = 0.0
-        self.step_has_compute = False
-        self.step_has_wait = False
-        self.step_cuda: List[Tuple[Tuple[Any, Any], int]] = []
-        self._compute_totals: List[float] = []
-        self._wait_totals: List[float] = []
-        self._cuda_steps: List[List[Tuple[Tuple[Any, Any], int]]] = []
+        self.nested_wait_s = 0.0
+        """Total wait time nested in compute sections (only differences are used)."""
+        self.nested_wait_events: List[Tuple[Any, Any]] = []
+        self.step_timed = False
+        self.steps = 0
 
     def section(self, name: str, kind: str = COMPUTE) -> Section:
         section = self.sections.get(name)
@@ -174,57 +188,45 @@ class TimingStore:
         return section
 
     def end_step(self) -> None:
-        """Close the current step's totals (called by Detector.step and before a report)."""
-        if self.step_has_compute:
-            self._compute_totals.append(self.step_compute)
-            if self.step_cuda:
-                self._cuda_steps.append(self.step_cuda)
-        if self.step_has_wait:
-            self._wait_totals.append(self.step_wait)
-        self.step_compute = self.step_wait = 0.0
-        self.step_has_compute = self.step_has_wait = False
-        self.step_cuda = []
+        """Count a step if anything was timed in it (Detector.step, and before a report)."""
+        if self.step_timed:
+            self.steps += 1
+            self.step_timed = False
 
     def summarize(self) -> IntervalTimes:
         """Medians of this interval; the only place CUDA events are read back."""
         self.end_step()
-        cuda_ms: Dict[int, float] = {}
         sections = {}
         for name, section in self.sections.items():
             if not section.cpu_s:
                 continue
             cuda_median = None
-            if section.cuda_pairs:
-                section.cuda_pairs[-1][1].synchronize()
-                times = [start.elapsed_time(end) for start, end in section.cuda_pairs]
-                cuda_ms.update((id(pair), t) for pair, t in zip(section.cuda_pairs, times))
-                cuda_median = statistics.median(times)
+            if section.cuda:
+                section.cuda[-1][1].synchronize()
+                cuda_median = statistics.median(
+                    start.elapsed_time(end) - sum(s.elapsed_time(e) for s, e in nested)
+                    for start, end, nested in section.cuda
+                )
             sections[name] = SectionTimes(
                 kind=section.kind,
                 count=len(section.cpu_s),
                 cpu_ms=statistics.median(section.cpu_s) * 1e3,
                 cuda_ms=cuda_median,
+                top_level=section.top_level,
             )
-        compute_ms = None
-        if self._cuda_steps and len(self._cuda_steps) == len(self._compute_totals):
-            compute_ms = statistics.median(
-                sum(sign * cuda_ms[id(pair)] for pair, sign in step) for step in self._cuda_steps
-            )
-        elif self._compute_totals:
-            compute_ms = statistics.median(self._compute_totals) * 1e3
-        wait_ms = statistics.median(self._wait_totals) * 1e3 if self._wait_totals else None
-        return IntervalTimes(len(self._compute_totals), compute_ms, wait_ms, sections)
+        steps = max(self.steps, 1)
+        compute = [s.ms * s.top_level / steps for s in sections.values() if s.kind == COMPUTE and s.top_level]
+        wait = [s.ms * s.count / steps for s in sections.values() if s.kind == WAIT]
+        return IntervalTimes(self.steps, sum(compute) if compute else None, sum(wait) if wait else None, sections)
 
     def reset(self) -> None:
         """Drop this interval's samples (sections stay registered; callers may hold them)."""
         for section in self.sections.values():
             section.cpu_s.clear()
-            if section.cuda_pairs:
-                self.event_pool.release(e for pair in section.cuda_pairs for e in pair)
-                section.cuda_pairs.clear()
-        self._compute_totals.clear()
-        self._wait_totals.clear()
-        self._cuda_steps.clear()
-        self.step_compute = self.step_wait = 0.0
-        self.step_has_compute = self.step_has_wait = False
-        self.step_cuda = []
+            section.top_level = 0
+            if section.cuda:
+                self.event_pool.release(e for start, end, _ in section.cuda for e in (start, end))
+                section.cuda.clear()
+        self.nested_wait_events.clear()
+        self.steps = 0
+        self.step_timed = False
