@@ -298,6 +298,7 @@ def test_leftovers_of_a_crashed_run_are_removed_on_start(tmp_path):
     ("checksum", "md5", "crc32, adler32, none"),
     ("max_pending_saves", 0, r"\[1, 8\]"),
     ("chunk_bytes", 10, "65536"),
+    ("staging", "eager", "blocking, overlapped"),
 ])
 def test_config_errors_name_field_value_and_rule(field, value, rule):
     with pytest.raises(ConfigError, match=rf"{field}={value!r}: .*{rule}"):

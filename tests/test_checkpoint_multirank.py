@@ -1,4 +1,5 @@
-"""Checkpointing across real gloo ranks: the global commit protocol, local find_latest
+"""Checkpointing across real gloo ranks: the global commit protocol, an overlapped save
+dropped on every rank when one rank modified its state too early, local find_latest
 agreement, restoring a lost node from peer replicas, and the fallback to the persistent
 checkpoint. Each scenario runs as separate processes (this file run as a script).
 """
@@ -109,6 +110,36 @@ def scenario_global(args: dict, rank: int, world: int) -> dict:
             "dirs_after_failure": sorted(os.listdir(root))}
 
 
+def scenario_overlapped_modified_on_one_rank(args: dict, rank: int, world: int) -> dict:
+    """Overlapped staging; at step 2 rank 1 updates its weights before wait_staged()."""
+    from nvrx_core.checkpoint import (AsyncCheckpointer, CheckpointConfig, CheckpointSaveError,
+                                      SnapshotModifiedError)
+
+    root = os.path.join(args["base"], "global")
+    ckpt = AsyncCheckpointer(root, CheckpointConfig(staging="overlapped"))
+    errors = {}
+    for step in (1, 2, 3):
+        state = rank_state(rank, step)
+        ckpt.save(state, step)
+        if rank == 1 and step == 2:
+            state["w"].add_(1.0)              # the bug: before wait_staged()
+        try:
+            ckpt.wait_staged()
+            ckpt.finalize(blocking=True)
+        except SnapshotModifiedError as e:
+            errors[step] = f"SnapshotModifiedError: {e}"
+            ckpt.finalize(blocking=True)      # the dropped save is not raised a second time
+        except CheckpointSaveError as e:
+            errors[step] = f"CheckpointSaveError: {e}"
+        state["w"].add_(1.0)                  # training goes on
+    dist.barrier()
+    step, loaded = ckpt.load_latest()
+    ckpt.close()
+    return {"errors": errors, "steps": ckpt.store.steps(), "leftovers": sorted(
+        n for n in os.listdir(root) if n.startswith(".")), "loaded_step": step,
+        "loaded_ok": same_state(loaded, rank_state(rank, step))}
+
+
 def scenario_local_find_latest(args: dict, rank: int, world: int) -> dict:
     from nvrx_core.checkpoint import LocalCheckpointConfig, LocalCheckpointManager
 
@@ -202,6 +233,20 @@ def test_global_commit_merges_every_rank_and_corruption_on_one_rank_is_skipped_b
     assert "step 3" in results[0]["save_error"] and "another rank" in results[0]["save_error"]
     assert "step 3" in results[1]["save_error"] and "rank_00001.data0" in results[1]["save_error"]
     assert results[1]["dirs_after_failure"] == ["step_0000000001", "step_0000000002"]
+
+
+@pytest.mark.timeout(200)
+def test_an_overlapped_save_modified_early_on_one_rank_is_dropped_on_every_rank(tmp_path):
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    results = launch("overlapped_modified_on_one_rank", 2, args)
+    assert list(results[1]["errors"]) == ["2"]
+    assert results[1]["errors"]["2"].startswith("SnapshotModifiedError: checkpoint save of step 2")
+    assert list(results[0]["errors"]) == ["2"]
+    assert results[0]["errors"]["2"].startswith("CheckpointSaveError: ")
+    assert "step 2" in results[0]["errors"]["2"] and "another rank" in results[0]["errors"]["2"]
+    for result in results:                    # step 2 never committed; steps 1 and 3 intact
+        assert result["steps"] == [1, 3] and result["leftovers"] == []
+        assert result["loaded_step"] == 3 and result["loaded_ok"]
 
 
 @pytest.mark.timeout(200)

@@ -8,6 +8,14 @@
         ckpt.finalize()          # reports saves committed since; raises their errors
     ckpt.close()                 # waits for what is still in flight
 
+With CheckpointConfig(staging="overlapped") save() returns before the copy to host
+memory is done; the loop calls wait_staged() before it modifies the saved tensors:
+
+        ckpt.save(state, step)   # returns at once; the copy overlaps forward/backward
+        loss = model(batch).sum(); loss.backward()
+        ckpt.wait_staged()       # the snapshot is complete: parameters may change now
+        optimizer.step()
+
 Every rank calls save/abort/close the same number of times in the same order. Each rank
 writes its own shard into a shared partial directory; then the background worker of
 every rank takes part in one tiny all_reduce on a gloo group of its own ("is every shard
@@ -28,7 +36,8 @@ from nvrx_core import durable
 from nvrx_core.checkpoint import collectives
 from nvrx_core.checkpoint.config import CheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
-                                         CheckpointNotFoundError, CheckpointSaveError)
+                                         CheckpointNotFoundError, CheckpointSaveError,
+                                         SnapshotModifiedError)
 from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, fragment_name,
                                          partial_dir_name, read_manifest, write_manifest)
 from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline, remove_rank_files
@@ -84,7 +93,9 @@ class AsyncCheckpointer:
         """Snapshot `state_dict` to host memory and write it in the background.
 
         Returns the save's generation id. If max_pending_saves are already in flight, this
-        first waits for the oldest to finish (and reports it like finalize()).
+        first waits for the oldest to finish (and reports it like finalize()). With
+        staging="overlapped" the copy is still running when this returns: no saved tensor
+        may be modified in place until wait_staged() has returned.
         """
         over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
         self._finalize(block_first=max(0, over))
@@ -96,12 +107,26 @@ class AsyncCheckpointer:
                      pending.blocking_seconds)
         return pending.generation
 
+    def wait_staged(self) -> None:
+        """Return once every save's copy to host memory is complete and confirmed: from
+        then on the saved tensors may be modified. Call it with staging="overlapped"
+        before optimizer.step() (cheap when nothing is being copied); with "blocking" it
+        returns at once.
+
+        Raises SnapshotModifiedError if a saved tensor was modified in place before its
+        copy was confirmed: that save is dropped on every rank (never committed), always,
+        whatever fail_on_save_error says - it is a bug in the loop, not a storage fault.
+        """
+        self._pipeline.confirm_staged(block=True)
+
     def finalize(self, blocking: bool = False) -> List[int]:
         """Steps committed since the last call, oldest first; no communication.
 
         With blocking=True, waits for every save in flight. A failed save raises
         CheckpointSaveError here, in the training thread, on every rank (or is logged and
-        reported as a `checkpoint_failed` event when fail_on_save_error is False).
+        reported as a `checkpoint_failed` event when fail_on_save_error is False). With
+        overlapped staging it also confirms the copies that have finished (as wait_staged
+        does, without waiting) and a save is committed only once its copy is confirmed.
         """
         return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
 
@@ -199,6 +224,8 @@ class AsyncCheckpointer:
         message = f"checkpoint save of step {pending.step} failed: {error}"
         self._events.emit(CHECKPOINT_FAILED, step=pending.step, generation=pending.generation,
                           error=repr(error))
+        if isinstance(error, SnapshotModifiedError):
+            return   # raised in the training thread already, when the confirmation found it
         if self.config.fail_on_save_error:
             raise CheckpointSaveError(message) from error
         logger.error("%s (fail_on_save_error=False: training continues; the previous "

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 from nvrx_core.config import build, check, load_yaml_section
 
 CHECKSUMS = ("crc32", "adler32", "none")
+STAGING_MODES = ("blocking", "overlapped")
 
 
 @dataclasses.dataclass
@@ -45,6 +46,14 @@ class CheckpointConfig:
     """Threads copying CPU tensors into the staging buffers (capped at the CPU count);
     this copy is the part of a save the training loop waits for."""
 
+    staging: str = "blocking"
+    """When save() returns. blocking: once the state is copied to host memory. overlapped:
+    at once, and the copy runs while training goes on; the caller must call
+    wait_staged() before modifying any saved tensor in place (before optimizer.step()).
+    A save whose tensors were modified before the copy was confirmed is dropped with
+    SnapshotModifiedError; the check cannot see writes that bypass torch's version counter
+    (fused optimizers, tensor.data, numpy views), hence not the default."""
+
     def __post_init__(self) -> None:
         check(isinstance(self.writer_threads, int) and 1 <= self.writer_threads <= 64,
               "writer_threads", self.writer_threads, "must be an integer in [1, 64]")
@@ -62,6 +71,8 @@ class CheckpointConfig:
               "chunk_bytes", self.chunk_bytes, "must be an integer in [65536, 2**30]")
         check(isinstance(self.staging_threads, int) and 1 <= self.staging_threads <= 64,
               "staging_threads", self.staging_threads, "must be an integer in [1, 64]")
+        check(self.staging in STAGING_MODES, "staging", self.staging,
+              f"must be one of {', '.join(STAGING_MODES)}")
 
     @classmethod
     def from_sources(cls, yaml_path: Optional[str] = None,

@@ -15,3 +15,8 @@ class CheckpointSaveError(CheckpointError):
 
 class CheckpointNotFoundError(CheckpointError):
     """No committed, valid checkpoint exists where one was asked for."""
+
+
+class SnapshotModifiedError(CheckpointSaveError):
+    """With overlapped staging, a saved tensor was modified in place before its copy to
+    host memory was confirmed; the save was dropped. Raised by wait_staged()/finalize()."""

@@ -6,6 +6,11 @@ writes the files with a pool of writer threads, then runs the owner's settle hoo
 does everything else a save needs - agreeing with the other ranks, committing,
 replicating - so the training thread never waits on a collective, an fsync or a delete.
 
+With overlapped staging the copy to host memory also leaves the training thread: it
+runs on a staging thread, and the worker may write the copied bytes but commits them
+only after the training thread has confirmed the snapshot (confirm_staged, called from
+wait_staged() and every finalize()).
+
 Each save carries a generation id; a completion whose generation is no longer pending
 (its save was aborted and disowned) is stale and is dropped: it can never be taken for
 the completion of a newer save.
@@ -24,10 +29,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from nvrx_core.checkpoint.config import CheckpointConfig
-from nvrx_core.checkpoint.errors import CheckpointError
+from nvrx_core.checkpoint.errors import CheckpointError, SnapshotModifiedError
 from nvrx_core.checkpoint.layout import FileEntry, rank_prefix
 from nvrx_core.checkpoint.shards import SaveAborted, write_shard
-from nvrx_core.checkpoint.staging import HostStager, StagedState
+from nvrx_core.checkpoint.staging import HostStager, StagedState, StagingJob
 
 logger = logging.getLogger("nvrx.checkpoint")
 
@@ -49,6 +54,8 @@ class PendingSave:
     blocking_seconds: float
     started: float
     settle: Optional[SettleHook] = None
+    staging: Optional[StagingJob] = None
+    """Overlapped staging only: the copy in flight and its confirmation."""
     result: Optional["SaveResult"] = None
 
 
@@ -92,22 +99,55 @@ class SavePipeline:
 
     def start(self, state: Any, step: int, directory_for: Callable[[int], str],
               settle: Optional[SettleHook] = None) -> PendingSave:
-        """Stage `state` (the blocking part of a save) and queue it for writing into
-        `directory_for(generation)`."""
+        """Stage `state` (all of it blocking, or with overlapped staging only the start
+        of the copy) and queue it for writing into `directory_for(generation)`."""
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r}: must be an integer >= 0")
         began = self._clock()
-        staged = self._stager.stage(state)
+        job = None
+        if self.config.staging == "overlapped":
+            job = self._stager.stage_async(state)
+            staged = job.staged
+        else:
+            staged = self._stager.stage(state)
         pending = PendingSave(
             generation=self._next_generation, step=step,
             directory=directory_for(self._next_generation), rank=self.rank,
             cancel=threading.Event(), staged_bytes=staged.nbytes,
-            blocking_seconds=self._clock() - began, started=began, settle=settle)
+            blocking_seconds=self._clock() - began, started=began, settle=settle, staging=job)
         self._next_generation += 1
         self.pending[pending.generation] = pending
         self._ensure_worker()
         self._requests.put((pending, staged))
         return pending
+
+    def confirm_staged(self, block: bool, raise_errors: bool = True) -> None:
+        """Give the verdict on every overlapped copy that has finished (with block: on all
+        of them, waiting for the copies). A save whose tensors were modified in place since
+        it began is dropped; the first such error is raised (once: a verdict is final)
+        after every verdict is in, any others are logged.
+
+        Must run on the thread that modifies the saved tensors (see StagingJob)."""
+        errors = []
+        for pending in sorted(self.pending.values(), key=lambda p: p.generation):
+            job = pending.staging
+            if job is None or job.confirmed.is_set():
+                continue
+            if not job.copied.done():
+                if not block:
+                    continue
+                began = self._clock()
+                concurrent.futures.wait([job.copied])
+                pending.blocking_seconds += self._clock() - began
+            modified = job.modified_paths() if job.copied.exception() is None else []
+            error = _snapshot_modified(pending.step, modified) if modified else None
+            job.conclude(error)
+            if error is not None:
+                errors.append(error)
+        for error in errors[1 if raise_errors else 0:]:
+            logger.error("%s", error)
+        if errors and raise_errors:
+            raise errors[0]
 
     def oldest(self) -> Optional[PendingSave]:
         return self.pending[min(self.pending)] if self.pending else None
@@ -140,6 +180,7 @@ class SavePipeline:
         """Pending saves that have a result, oldest first, stopping at the first without;
         the first `block_first` of them are waited for. They stop being pending."""
         finished = []
+        self.confirm_staged(block=block_first > 0)
         self.poll()
         while self.pending:
             pending = self.oldest()
@@ -164,6 +205,8 @@ class SavePipeline:
         aborted = sorted(self.pending.values(), key=lambda p: p.generation)
         for pending in aborted:
             pending.cancel.set()
+            if pending.staging is not None and not pending.staging.confirmed.is_set():
+                pending.staging.conclude(None)   # the cancellation decides its fate
         deadline = None if timeout is None else self._clock() + timeout
         for pending in aborted:
             remaining = None if deadline is None else max(0.0, deadline - self._clock())
@@ -174,6 +217,9 @@ class SavePipeline:
         return aborted
 
     def close(self) -> None:
+        # A save still unconfirmed (its finalize raised) gets its verdict, so the worker
+        # can finish it; an error is logged by the worker instead of raised here.
+        self.confirm_staged(block=True, raise_errors=False)
         if self._thread is not None:
             self._requests.put(None)
             self._thread.join()
@@ -220,7 +266,10 @@ class SavePipeline:
         began = self._clock()
         entries: Optional[List[FileEntry]] = None
         extra = error = None
+        job = pending.staging
         try:
+            if job is not None:
+                job.copied.result()   # the overlapped copy must be done before writing
             if pending.cancel.is_set():
                 raise SaveAborted(f"save of step {pending.step} aborted before it started")
             os.makedirs(pending.directory, exist_ok=True)
@@ -231,6 +280,9 @@ class SavePipeline:
             error = e
         finally:
             self._stager.release(staged)   # the next save may stage while this one settles
+        if job is not None:
+            job.confirmed.wait()    # written, but committed only if the snapshot was good
+            error = job.error or error
         if pending.settle is not None:
             try:
                 extra = pending.settle(pending, entries if error is None else None, error)
@@ -239,10 +291,20 @@ class SavePipeline:
         elif error is None and pending.cancel.is_set():
             error = SaveAborted(f"save of step {pending.step} aborted after it was written")
         if error is not None:
-            if not isinstance(error, SaveAborted):
+            if not isinstance(error, (SaveAborted, SnapshotModifiedError)):  # logged when found
                 logger.error("background save of step %d failed: %r", pending.step, error)
             remove_rank_files(pending.directory, pending.rank)
         return SaveResult(pending.generation, entries or [], extra, error, self._clock() - began)
+
+
+def _snapshot_modified(step: int, modified: List[str]) -> SnapshotModifiedError:
+    shown = ", ".join(modified[:4]) + (f" and {len(modified) - 4} more" if len(modified) > 4 else "")
+    return SnapshotModifiedError(
+        f"checkpoint save of step {step} dropped: {len(modified)} saved tensor(s) were "
+        f"modified in place before their copy to host memory was confirmed ({shown}). With "
+        "staging='overlapped', call wait_staged() after save() and before optimizer.step() or "
+        "any other in-place update. Nothing was committed for this step; earlier checkpoints "
+        "are intact.")
 
 
 def remove_rank_files(directory: str, rank: int) -> None:

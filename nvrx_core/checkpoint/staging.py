@@ -4,12 +4,18 @@ The copy to host memory is the only part of a save the training loop has to wait
 the buffers it copies into are kept and reused by the next save of the same shapes:
 allocating (and page-faulting) a fresh gigabyte costs far more than copying into a warm
 one, and for CUDA tensors only page-locked buffers copy at full PCIe/NVLink speed.
+
+Two ways to stage: `stage()` copies before it returns; `stage_async()` returns at once
+and copies on a staging thread while the caller computes, which is only a consistent
+snapshot if the caller modifies none of the tensors until the copy is confirmed (see
+StagingJob).
 """
 
 import concurrent.futures
 import copy
 import ctypes
 import dataclasses
+import logging
 import math
 import mmap
 import os
@@ -20,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nvrx_core.checkpoint.errors import CheckpointError
+
+logger = logging.getLogger("nvrx.checkpoint")
 
 Signature = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
 _COPY_CHUNK = 16 << 20
@@ -55,13 +63,15 @@ def _path_str(path: Tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
-def flatten(state: Any) -> Tuple[Any, List[torch.Tensor]]:
-    """Split a nested state into a tensor-free skeleton and its tensors (deduplicated).
+def flatten(state: Any) -> Tuple[Any, List[torch.Tensor], List[str]]:
+    """Split a nested state into a tensor-free skeleton, its tensors (deduplicated) and
+    each tensor's key path (for error messages).
 
     Containers (dict, list, tuple, namedtuple) are rebuilt, so later mutation of the
     caller's containers cannot reach the snapshot; other leaves are deep-copied.
     """
     tensors: List[torch.Tensor] = []
+    paths: List[str] = []
     seen: Dict[int, int] = {}
 
     def visit(node: Any, path: Tuple[Any, ...]) -> Any:
@@ -75,6 +85,7 @@ def flatten(state: Any) -> Tuple[Any, List[torch.Tensor]]:
             if index is None:
                 index = seen[id(node)] = len(tensors)
                 tensors.append(node)
+                paths.append(_path_str(path))
             return torch.tensor([index], dtype=torch.int64)
         if isinstance(node, dict):
             rebuilt = {k: visit(v, path + (k,)) for k, v in node.items()}
@@ -85,7 +96,7 @@ def flatten(state: Any) -> Tuple[Any, List[torch.Tensor]]:
             return type(node)(visit(v, path + (i,)) for i, v in enumerate(node))
         return copy.deepcopy(node)
 
-    return visit(state, ()), tensors
+    return visit(state, ()), tensors, paths
 
 
 def _rebuild_mapping(original: dict, items: dict) -> dict:
@@ -115,6 +126,40 @@ def unflatten(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
     return visit(skeleton)
 
 
+@dataclasses.dataclass
+class StagingJob:
+    """A snapshot whose copy to host memory runs on the staging thread while training goes on.
+
+    It is consistent only if no source tensor was modified in place before the copy
+    finished. The training thread confirms that once the copy is done, by comparing each
+    source's version counter (which in-place torch ops bump) with the value recorded when
+    the save began. Checking on the training thread rather than the staging thread is what
+    makes the check exact for that thread's own updates: an in-place op bumps the counter
+    after its kernel ran, so every op it issued before confirming has bumped it by then.
+    Until confirmed, the writer may write the staged bytes but must not commit them.
+    """
+
+    staged: StagedState
+    copied: "concurrent.futures.Future[None]"
+    sources: List[torch.Tensor]
+    versions: List[int]
+    paths: List[str]
+    confirmed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    """Set before `confirmed`: why the snapshot must not be committed (None: it may)."""
+
+    def modified_paths(self) -> List[str]:
+        """Key paths of the sources modified in place since the save began."""
+        return [path for tensor, version, path in zip(self.sources, self.versions, self.paths)
+                if tensor._version != version]
+
+    def conclude(self, error: Optional[BaseException]) -> None:
+        """Record the verdict and let the writer go on."""
+        self.error = error
+        self.sources = []    # the copy owns its own references until it has finished
+        self.confirmed.set()
+
+
 class HostStager:
     """Copies tensors into reusable host buffers; thread-safe acquire/release of buffer sets.
 
@@ -127,27 +172,68 @@ class HostStager:
         self._max_sets = max_sets
         self._copy_threads = max(1, min(copy_threads, os.cpu_count() or 1))
         self._copy_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._staging_thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._free: List[BufferSet] = []
         self._lock = threading.Lock()
 
     def stage(self, state: Any) -> StagedState:
-        skeleton, sources = flatten(state)
+        """Snapshot `state`; every byte is in host memory when this returns."""
+        skeleton, sources, _ = flatten(state)
+        return self._stage_now(skeleton, sources)
+
+    def _stage_now(self, skeleton: Any, sources: List[torch.Tensor]) -> StagedState:
         with torch.no_grad():
-            sources = [t.detach() for t in sources]
-            on_cuda = any(t.is_cuda for t in sources)
-            pinned = self._pin_memory and on_cuda
-            signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
-            buffers = self._acquire(signature, pinned)
-            host_copies = []
-            for dst, src in zip(buffers.tensors, sources):
-                if _plain_host_memory(src):
-                    host_copies.append((dst, src))
-                else:
-                    dst.copy_(src, non_blocking=pinned and src.is_cuda)
+            staged, host_copies = self._start(skeleton, sources)
             self._copy_host(host_copies)
-            if on_cuda:
-                _wait_for_copies(sources)
-        return StagedState(skeleton, buffers.tensors, [str(t.device) for t in sources], buffers)
+            _wait_for_copies(sources)
+        return staged
+
+    def stage_async(self, state: Any) -> StagingJob:
+        """Snapshot `state` without waiting for the bulk of the copy.
+
+        Here: flatten, take buffers, enqueue CUDA copies on the caller's current streams
+        (stream order keeps them ahead of later kernels). On the staging thread: the
+        host-to-host copies, then waiting for the CUDA copies. Tensors created in
+        inference mode have no version counter, so a state holding one is staged here.
+        """
+        skeleton, sources, paths = flatten(state)
+        if any(t.is_inference() for t in sources):
+            logger.warning("overlapped staging: the state holds inference-mode tensors, which "
+                           "have no version counter; this save copied before returning")
+            return StagingJob(self._stage_now(skeleton, sources), _done_future(), [], [], [])
+        with torch.no_grad():
+            staged, host_copies = self._start(skeleton, sources)
+            versions = [t._version for t in sources]
+            if self._staging_thread is None:
+                self._staging_thread = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="nvrx-ckpt-staging")
+            copied = self._staging_thread.submit(self._finish_copies, host_copies, list(sources),
+                                                 _record_copy_events(sources))
+        return StagingJob(staged, copied, list(sources), versions, paths)
+
+    def _start(self, skeleton: Any, sources: List[torch.Tensor]
+               ) -> Tuple[StagedState, List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """Take a buffer set and copy what is not plain host memory (device tensors
+        asynchronously); returns the plain host (dst, src) pairs still to copy."""
+        sources = [t.detach() for t in sources]
+        pinned = self._pin_memory and any(t.is_cuda for t in sources)
+        signature: Signature = tuple((tuple(t.shape), t.dtype) for t in sources)
+        buffers = self._acquire(signature, pinned)
+        host_copies = []
+        for dst, src in zip(buffers.tensors, sources):
+            if _plain_host_memory(src):
+                host_copies.append((dst, src))
+            else:
+                dst.copy_(src, non_blocking=pinned and src.is_cuda)
+        staged = StagedState(skeleton, buffers.tensors, [str(t.device) for t in sources], buffers)
+        return staged, host_copies
+
+    def _finish_copies(self, host_copies: List[Tuple[torch.Tensor, torch.Tensor]],
+                       sources: List[torch.Tensor], cuda_events: list) -> None:
+        """Staging thread: holds `sources` until every copy from them is done."""
+        self._copy_host(host_copies)
+        for event in cuda_events:
+            event.synchronize()
 
     def _copy_host(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Host-to-host copies as memmoves of at most _COPY_CHUNK bytes, taken one at a time
@@ -176,6 +262,9 @@ class HostStager:
             helper.result()
 
     def close(self) -> None:
+        if self._staging_thread is not None:
+            self._staging_thread.shutdown(wait=True)
+            self._staging_thread = None
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
             self._copy_pool = None
@@ -242,3 +331,20 @@ def _wait_for_copies(sources: List[torch.Tensor]) -> None:
     """Block until the non-blocking device-to-host copies have landed (CUDA path only)."""
     for device in {t.device for t in sources if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
+
+
+def _record_copy_events(sources: List[torch.Tensor]) -> list:
+    """CUDA events behind the copies just enqueued on this thread's current streams, for
+    another thread to wait on (current streams are per thread). Empty on CPU."""
+    events = []
+    for device in {t.device for t in sources if t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return events
+
+
+def _done_future() -> "concurrent.futures.Future[None]":
+    future: "concurrent.futures.Future[None]" = concurrent.futures.Future()
+    future.set_result(None)
+    return future
