@@ -69,8 +69,9 @@ def decide(
         r, kind, scope = key
         return Straggler(r, ranks[r].node, kind, scope, scores[key], threshold(kind, scope), streaks[key])
 
-    flagged = [straggler(k) for k, n in streaks.items() if n >= config.consecutive_reports]
-    suspects = [straggler(k) for k, n in streaks.items() if n < config.consecutive_reports]
+    flagged_keys = hysteresis.flagged()
+    flagged = [straggler(k) for k in flagged_keys]
+    suspects = [straggler(k) for k in streaks if k not in flagged_keys]
     flagged_ranks = tuple(sorted({s.rank for s in flagged}))
     return Report(
         index=index,

@@ -21,7 +21,7 @@ class RankStats:
     wait_ms: Optional[float]
     """Median per-step time spent in wait sections (collectives): low on the straggler."""
     section_ms: Dict[str, float]
-    """Median time of one entry of each section."""
+    """Median time of one entry of each compute section (less the waits nested in it)."""
 
 
 @dataclasses.dataclass(frozen=True)
