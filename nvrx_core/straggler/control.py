@@ -67,14 +67,12 @@ class ControlFile:
             try:
                 overrides = self._parse() if stamp is not None else {}
                 dataclasses.replace(base, **overrides)  # validates every value
-            except FileNotFoundError:  # removed between stat and open
+            except FileNotFoundError:  # removed between stat and open: as if removed
                 overrides = {}
             except (OSError, UnicodeDecodeError, yaml.YAMLError, ConfigError) as e:
-                self._logger.error(
-                    "straggler control file %s ignored, keeping the previous settings: %s", self.path, e
-                )
-            else:
-                if overrides != self._overrides:
-                    self._logger.warning("straggler control file %s: settings now %s", self.path, overrides or "as configured")
-                self._overrides = overrides
+                self._logger.error("straggler control file %s ignored, keeping the previous settings: %s", self.path, e)
+                overrides = self._overrides
+            if overrides != self._overrides:
+                self._logger.warning("straggler control file %s: settings now %s", self.path, overrides or "as configured")
+            self._overrides = overrides
         return dataclasses.replace(base, **self._overrides)
