@@ -6,8 +6,8 @@
   on 2 ranks, run alternately without and with our Detector (see _overhead_worker);
   median of --runs runs of >= 10 s. "peer(no detector)" on those lines is the same step
   without any detector. Reports every 4 s of detected steps (15x the default rate).
-- nvidia-resiliency-ext's Detector on the same loop (single process), when it can run
-  under --peer-python; otherwise the line says why.
+- nvidia-resiliency-ext's Detector and ours on the same single-process loop, when the
+  peer can run under --peer-python; otherwise the line says why.
 - latency: 4 ranks, rank 3's forward becomes 30% slower after report 3; reports and
   seconds until it is flagged (relative and individual scores).
 - false positives: 4 ranks, +-20% seeded random jitter on every section, 20 reports.
@@ -153,52 +153,69 @@ def micro_costs() -> dict:
     return {"section_us": per_section * 1e6, "step_us": per_step * 1e6}
 
 
-# Run by the peer venv's python: nvidia-resiliency-ext's Detector on the same alternating
-# sleep loop, measured the same way (single process, no all_reduce). One JSON line out:
-# {"error": ...} when it cannot run (it needs its compiled CUPTI extension, libcupti and a
-# CUDA device), else per-step seconds.
-PEER_LOOP = """
-import json, statistics, sys, time
+# The single-process loop both detectors run for the side-by-side figure: pairs of a plain
+# and a detected step (sleeps only), in alternating order; overhead = median of the paired
+# differences + the periodic (report) cost beyond the typical step() call, amortized.
+# PEER_LOOP runs it under the peer venv's python and prints one JSON line: {"error": ...}
+# when nvidia-resiliency-ext cannot run (it needs its compiled CUPTI extension, libcupti and
+# a CUDA device), else {"plain_s", "ratio"}.
+SINGLE_LOOP = """
+import statistics, time
+
+def overhead(section, step, step_s, pairs):
+    plain, detected, in_step = [], [], []
+    for i in range(pairs):
+        for with_detector in ((False, True) if i % 2 == 0 else (True, False)):
+            start = time.perf_counter()
+            if with_detector:
+                with section("fwd"):
+                    time.sleep(0.6 * step_s)
+                with section("bwd"):
+                    time.sleep(0.4 * step_s)
+                before = time.perf_counter()
+                step()
+                in_step.append(time.perf_counter() - before)
+            else:
+                time.sleep(0.6 * step_s)
+                time.sleep(0.4 * step_s)
+            (detected if with_detector else plain).append(time.perf_counter() - start)
+    periodic = (sum(in_step) - statistics.median(in_step) * pairs) / pairs
+    extra = statistics.median(d - p for d, p in zip(detected, plain)) + periodic
+    return statistics.median(plain), 1 + extra / statistics.median(plain)
+"""
+
+PEER_LOOP = SINGLE_LOOP + """
+import json, sys
 step_s, pairs, runs, interval = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-
-def run(detector):
-    plain, peer, in_report = [], [], []
-    for _ in range(pairs):
-        start = time.perf_counter()
-        time.sleep(0.6 * step_s)
-        time.sleep(0.4 * step_s)
-        middle = time.perf_counter()
-        with detector.detection_section("fwd", profile_cuda=False):
-            time.sleep(0.6 * step_s)
-        with detector.detection_section("bwd", profile_cuda=False):
-            time.sleep(0.4 * step_s)
-        before = time.perf_counter()
-        detector.generate_report_if_interval_elapsed()
-        end = time.perf_counter()
-        plain.append(middle - start)
-        peer.append(end - middle)
-        in_report.append(end - before)
-    periodic = (sum(in_report) - statistics.median(in_report) * pairs) / pairs
-    return statistics.median(plain), statistics.median(peer) + periodic
-
 try:
     from nvidia_resiliency_ext.straggler import Detector
-    Detector.initialize(report_time_interval=2 * interval, gather_on_rank0=True)
-    results = [run(Detector) for _ in range(runs)]
+    Detector.initialize(report_time_interval=interval, gather_on_rank0=True)
+    section = lambda name: Detector.detection_section(name, profile_cuda=False)
+    results = [overhead(section, Detector.generate_report_if_interval_elapsed, step_s, pairs) for _ in range(runs)]
     Detector.shutdown()
 except Exception as e:
     print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
 else:
     print(json.dumps({"plain_s": statistics.median(r[0] for r in results),
-                      "peer_s": statistics.median(r[1] for r in results),
-                      "ratio": statistics.median(r[1] / r[0] for r in results)}))
+                      "ratio": statistics.median(r[1] for r in results)}))
 """
+
+
+def ours_single_process(step_s: float, pairs: int, runs: int) -> dict:
+    """Our detector on SINGLE_LOOP, in this process (a world of one)."""
+    namespace: dict = {}
+    exec(SINGLE_LOOP, namespace)
+    results = []
+    for _ in range(runs):
+        detector = Detector(quiet_config(report_time_interval=2 * OVERHEAD_REPORT_INTERVAL), events=EventLog(None))
+        results.append(namespace["overhead"](detector.section, detector.step, step_s, pairs))
+    return {"plain_s": statistics.median(r[0] for r in results), "ratio": statistics.median(r[1] for r in results)}
 
 
 def peer_overhead(peer_python: str, step_s: float, pairs: int, runs: int) -> dict:
     if not peer_python:
         return {"error": "no --peer-python given"}
-    cmd = [peer_python, "-c", PEER_LOOP, str(step_s), str(pairs), str(runs), str(OVERHEAD_REPORT_INTERVAL)]
+    cmd = [peer_python, "-c", PEER_LOOP, str(step_s), str(pairs), str(runs), str(2 * OVERHEAD_REPORT_INTERVAL)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -329,10 +346,11 @@ def main() -> None:
         if "error" in peer:
             print(f"nvrx_peer_overhead_{step_ms}ms_step: peer(nvidia-resiliency-ext) cannot run here: {peer['error']}")
         else:
+            ours = ours_single_process(step_s, pairs, args.runs)
             print(
-                f"nvrx_peer_overhead_{step_ms}ms_step (1 process): "
-                f"peer(nvidia-resiliency-ext) {peer['peer_s'] * 1e3:.3f} ms, no detector {peer['plain_s'] * 1e3:.3f} ms, "
-                f"ratio {peer['ratio']:.4f}"
+                f"nvrx_peer_overhead_{step_ms}ms_step (1 process, step time with / without each detector): "
+                f"ours {ours['ratio']:.4f}, peer(nvidia-resiliency-ext) {peer['ratio']:.4f}, "
+                f"ratio {ours['ratio'] / peer['ratio']:.4f}"
             )
 
     latency = detection_latency()

@@ -142,8 +142,10 @@ class StragglerConfig:
         )
         for name in ("control_file", "node_name"):
             value = getattr(self, name)
-            check(value is None or (isinstance(value, str) and value), name, value, "must be a non-empty string or null")
-        check(isinstance(self.logger_name, str) and self.logger_name, "logger_name", self.logger_name, "must be a non-empty string")
+            valid = value is None or (isinstance(value, str) and value)
+            check(valid, name, value, "must be a non-empty string or null")
+        name = self.logger_name
+        check(isinstance(name, str) and name, "logger_name", name, "must be a non-empty string")
 
     @classmethod
     def from_yaml(cls, path: str, section: str = "straggler", **overrides: Any) -> "StragglerConfig":

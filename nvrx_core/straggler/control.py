@@ -73,6 +73,7 @@ class ControlFile:
                 self._logger.error("straggler control file %s ignored, keeping the previous settings: %s", self.path, e)
                 overrides = self._overrides
             if overrides != self._overrides:
-                self._logger.warning("straggler control file %s: settings now %s", self.path, overrides or "as configured")
+                now = overrides or "as configured"
+                self._logger.warning("straggler control file %s: settings now %s", self.path, now)
             self._overrides = overrides
         return dataclasses.replace(base, **self._overrides)

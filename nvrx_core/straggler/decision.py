@@ -49,7 +49,9 @@ def decide(
 
     # A slowdown every rank shares (a busy host, longer sequences, a slow filesystem) makes
     # no rank a straggler: individual scores are judged against the least slowed rank's.
-    job_individual = {scope: min(1.0, max(by_rank.values())) for scope, by_rank in individual.items() if len(by_rank) > 1}
+    job_individual = {
+        scope: min(1.0, max(by_rank.values())) for scope, by_rank in individual.items() if len(by_rank) > 1
+    }
 
     def threshold(kind: str, scope: str) -> float:
         if kind == RELATIVE:

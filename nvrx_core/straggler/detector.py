@@ -80,7 +80,8 @@ class Detector:
         self.node = self._base.node_name or socket.gethostname()
         self._clock = clock
         self._schedule = ReportSchedule(clock)
-        self._control = ControlFile(self._base.control_file, logger) if self._base.control_file and self.rank == 0 else None
+        control_file = self._base.control_file if self.rank == 0 else None
+        self._control = ControlFile(control_file, logger) if control_file else None
         self._store = TimingStore(timer, self._event_pool(cuda_event_factory))
         self._store.active = self._base.enabled
         self._baseline = RollingBaseline(self._base.baseline_window, self._base.warmup_reports)

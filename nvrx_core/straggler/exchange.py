@@ -86,4 +86,6 @@ def _from_float(kind: type):
     return float
 
 
-_FROM_FLOAT = {f.name: _from_float(type(f.default)) for f in dataclasses.fields(StragglerConfig) if f.name in CONTROL_FIELDS}
+_FROM_FLOAT = {
+    f.name: _from_float(type(f.default)) for f in dataclasses.fields(StragglerConfig) if f.name in CONTROL_FIELDS
+}

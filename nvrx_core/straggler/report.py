@@ -80,7 +80,8 @@ class Report:
 
     def _rank_key(self, rank: int) -> float:
         """The rank's lowest score of any kind and scope: what decides if it is flagged."""
-        scores = [by_rank[rank] for table in (self.relative, self.individual) for by_rank in table.values() if rank in by_rank]
+        tables = (self.relative, self.individual)
+        scores = [by_rank[rank] for table in tables for by_rank in table.values() if rank in by_rank]
         return min(scores) if scores else float("inf")
 
     def _worst_section(self, rank: int) -> str:
@@ -98,11 +99,12 @@ class Report:
         flagged = "; ".join(
             f"rank {s.rank} ({s.node}) {s.score_kind} {s.scope} {s.score:.2f} x{s.consecutive}" for s in self.stragglers
         )
+        job = self.job_individual.get(OVERALL, 1.0)
         lines = [
             f"straggler report #{self.index}: {self.world_size} ranks, {self.interval_s:.2f} s"
             + (f"; FLAGGED: {flagged}" if flagged else "; no straggler")
             + (f"; others waited for rank {self.waited_for}" if self.waited_for is not None else "")
-            + (f"; whole job at {job:.2f} of its baseline" if (job := self.job_individual.get(OVERALL, 1.0)) < 0.9 else "")
+            + (f"; whole job at {job:.2f} of its baseline" if job < 0.9 else "")
         ]
         ordered = sorted(self.ranks, key=lambda r: (self._rank_key(r), r))
         if rows <= 0 or not ordered:
@@ -112,7 +114,10 @@ class Report:
         else:
             blocks = [(f"worst {rows}", ordered[:rows]), (f"best {rows}", ordered[::-1][:rows])]
         width = max(4, *(len(self.ranks[r].node) for r in ordered))
-        header = f"  {'rank':>5} {'node':<{width}} {'relative':>8} {'individual':>10} {'compute_ms':>10} {'wait_ms':>8}  worst section"
+        header = (
+            f"  {'rank':>5} {'node':<{width}} {'relative':>8} {'individual':>10} "
+            f"{'compute_ms':>10} {'wait_ms':>8}  worst section"
+        )
         for title, ranks in blocks:
             lines.append(f" {title}:")
             lines.append(header)
