@@ -84,8 +84,10 @@ class Coordinator:
     def heartbeats(self, ranks: Sequence[int]) -> Dict[int, bytes]:
         if not ranks:
             return {}
-        values = self.store.multi_get([self.key("hb", r) for r in ranks])
-        return dict(zip(ranks, values))
+        keys = [self.key("hb", r) for r in ranks]
+        if not self.store.check(keys):  # a rank that never beat: create its counter rather than wait for it
+            return {r: str(self.store.add(k, 0)).encode() for r, k in zip(ranks, keys)}
+        return dict(zip(ranks, self.store.multi_get(keys)))
 
     def initial_barrier(self, node: str, world_size: int, timeout: float) -> List[str]:
         """Every initial rank announces itself and its node; returns the node of each rank."""

@@ -1,0 +1,260 @@
+"""Store coordination, main-thread interruption and the hard-timeout monitor, in one process.
+
+A real TCPStore hosted by the test; each "rank" is a Coordinator with its own client,
+driven from threads. The monitor process is tested around a real child process.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from nvrx_core.inprocess.coordination import Coordinator, HeartbeatWatch
+from nvrx_core.inprocess.errors import BarrierTimeout, RestartRequested
+from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
+from nvrx_core.inprocess.records import Cause
+from nvrx_core.inprocess.store import STORE_ENV, StoreSetupError, endpoint_from_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield server
+
+
+def coordinators(server, count, prefix="test"):
+    return [Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), prefix, r) for r in range(count)]
+
+
+def test_initial_barrier_returns_every_rank_node(store):
+    coords = coordinators(store, 3)
+    results = {}
+    threads = [threading.Thread(target=lambda c=c: results.update({c.rank: c.initial_barrier(f"node{c.rank // 2}", 3, 10)}))
+               for c in coords]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert results == {r: ["node0", "node0", "node1"] for r in range(3)}
+
+
+def test_initial_barrier_times_out_naming_the_count(store):
+    with pytest.raises(BarrierTimeout, match="only 1 of 2 ranks"):
+        coordinators(store, 1)[0].initial_barrier("n", 2, 0.3)
+
+
+def test_first_record_and_first_termination_claim_win(store):
+    a, b = coordinators(store, 2)
+    first = a.record(0, Cause.EXCEPTION, "boom")
+    second = b.record(0, Cause.PEER_INTERRUPTED)
+    assert first.first and not second.first
+    assert [(r.rank, r.cause) for r in b.records(0)] == [(0, Cause.EXCEPTION), (1, Cause.PEER_INTERRUPTED)]
+    assert a.mark_terminated(1, Cause.HEARTBEAT_LOST) and not b.mark_terminated(1, Cause.EXITED)
+    assert a.terminated() == {1: "heartbeat_lost"} and a.terminated_count() == 1
+    assert a.interrupted(1, terminated_base=0) and not a.interrupted(1, terminated_base=1)
+
+
+def test_barrier_completes_with_a_silent_member_declared_lost(store):
+    coords = coordinators(store, 3)
+    for c in coords:
+        c.heartbeat()
+    lost = []
+
+    def declare(rank):
+        if coords[0].mark_terminated(rank, Cause.HEARTBEAT_LOST):
+            lost.append(rank)
+
+    stop = threading.Event()
+
+    def keep_beating():  # ranks 0 and 1 stay alive; rank 2 never arrives nor beats again
+        while not stop.wait(0.05):
+            coords[0].heartbeat()
+            coords[1].heartbeat()
+
+    beat = threading.Thread(target=keep_beating)
+    beat.start()
+    coords[1].arrive(0)
+    coords[0].arrive(0)
+    began = time.monotonic()
+    try:
+        arrived, terminated = coords[0].wait_for_members(0, [0, 1, 2], 0, timeout=10, heartbeat_timeout=0.5,
+                                                         heartbeat_interval=0.1, on_lost=declare)
+    finally:
+        stop.set()
+        beat.join()
+    assert arrived == {0, 1} and terminated == {2: "heartbeat_lost"} and lost == [2]
+    assert time.monotonic() - began < 5
+
+
+def test_barrier_timeout_names_the_missing_ranks(store):
+    coords = coordinators(store, 2)
+    coords[0].arrive(0)
+    with pytest.raises(BarrierTimeout, match=r"ranks \[1\] did not arrive"):
+        coords[0].wait_for_members(0, [0, 1], 0, timeout=0.3, heartbeat_timeout=100, heartbeat_interval=100,
+                                   on_lost=lambda r: None)
+
+
+def test_plan_proposal_first_writer_wins(store):
+    a, b = coordinators(store, 2)
+    assert a.propose_plan(3, "plan-a") == "plan-a"
+    assert b.propose_plan(3, "plan-b") == "plan-a"
+    assert b.wait_for_plan(3, 1) == "plan-a"
+
+
+def test_heartbeat_watch_uses_its_own_clock():
+    now = [100.0]
+    watch = HeartbeatWatch(clock=lambda: now[0])
+    watch.update({1: b"5", 2: b"9"})
+    now[0] += 3
+    watch.update({1: b"6", 2: b"9"})
+    assert watch.stale(2.0) == [2]
+
+
+def test_store_endpoint_prefers_an_external_store_then_the_agents():
+    agent = {"MASTER_ADDR": "h", "MASTER_PORT": "100", "TORCHELASTIC_USE_AGENT_STORE": "True",
+             "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "2"}
+    e = endpoint_from_env(agent)
+    assert (e.host, e.port, e.hosted_by_rank0, e.key_prefix) == ("h", 100, False, "nvrx_inprocess/job/2")
+    assert endpoint_from_env({**agent, STORE_ENV: "s:7"}).port == 7
+    plain = endpoint_from_env({"MASTER_ADDR": "h", "MASTER_PORT": "100"})
+    assert plain.hosted_by_rank0 and plain.port == 101
+    with pytest.raises(StoreSetupError, match="MASTER_ADDR"):
+        endpoint_from_env({})
+    with pytest.raises(StoreSetupError, match="expected host:port"):
+        endpoint_from_env({STORE_ENV: "nope"})
+
+
+# ---- interrupting the main thread ---------------------------------------------------------
+@pytest.fixture
+def interrupter():
+    it = MainThreadInterrupter(signal.SIGUSR1)
+    it.install()
+    yield it
+    it.disarm()
+    it.uninstall()
+
+
+def request_later(interrupter, delay=0.2):
+    timer = threading.Timer(delay, interrupter.request, args=("test",))
+    timer.start()
+    return timer
+
+
+def test_armed_interruption_breaks_a_blocking_sleep(interrupter):
+    interrupter.arm()
+    request_later(interrupter)
+    began = time.monotonic()
+    with pytest.raises(RestartRequested, match="test"):
+        time.sleep(10)
+    assert time.monotonic() - began < 5
+
+
+def test_unarmed_interruption_is_ignored(interrupter):
+    request_later(interrupter, 0.05).join()
+    time.sleep(0.1)  # nothing raised
+
+
+def test_atomic_block_defers_the_interruption_to_its_end(interrupter):
+    interrupter.arm()
+    finished_block = False
+    with pytest.raises(RestartRequested):
+        with interrupter.atomic():
+            request_later(interrupter, 0.05).join()
+            time.sleep(0.2)
+            finished_block = True
+    assert finished_block
+
+
+def test_progress_stops_while_the_main_thread_is_blocked_in_c():
+    progress = MainThreadProgress()
+    stop = threading.Event()
+    idle_seen = []
+
+    def poker():
+        while not stop.wait(0.02):
+            progress.poke()
+
+    thread = threading.Thread(target=poker)
+    thread.start()
+    try:
+        busy_until = time.monotonic() + 0.3
+        while time.monotonic() < busy_until:  # Python running: progress keeps up
+            pass
+        assert progress.idle_for() < 0.2
+        sampler = threading.Timer(0.5, lambda: idle_seen.append(progress.idle_for()))
+        sampler.start()
+        time.sleep(0.8)  # a C call: no bytecode, so no progress while it lasts
+        sampler.join()
+        assert idle_seen[0] >= 0.4, "progress advanced while the main thread was blocked"
+        deadline = time.monotonic() + 2
+        while progress.idle_for() > 0.2 and time.monotonic() < deadline:  # Python again: progress resumes
+            pass
+        assert progress.idle_for() <= 0.2
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ---- the hard-timeout monitor process -----------------------------------------------------
+RANK_STANDIN = textwrap.dedent("""
+    import ctypes, os, sys, time
+    from nvrx_core.inprocess.monitor_process import MonitorProcess, MonitorSettings
+    marker = sys.argv[2]
+    def declare(cause, detail):
+        open(marker, "w").write(cause.value)
+    monitor = MonitorProcess(MonitorSettings(rank=3, hard_timeout=1.0, termination_grace=0.5,
+                                             termination_signal=15, interval=0.05), declare)
+    monitor.start()
+    print(monitor.pid, flush=True)
+    mode = sys.argv[1]
+    if mode == "gil":
+        ctypes.PyDLL(None).sleep(60)   # holds the GIL: no progress can be reported
+    elif mode == "exit":
+        os._exit(3)
+    elif mode == "stop":
+        for _ in range(30):
+            monitor.report_progress(time.monotonic())
+            time.sleep(0.05)
+        monitor.stop()
+""")
+
+
+def run_standin(tmp_path, mode):
+    marker = tmp_path / "declared"
+    proc = subprocess.Popen([sys.executable, "-c", RANK_STANDIN, mode, str(marker)], stdout=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    monitor_pid = int(proc.stdout.readline())
+    try:
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{monitor_pid}"):
+        time.sleep(0.05)
+    return code, (marker.read_text() if marker.exists() else None)
+
+
+@pytest.mark.timeout(60)
+def test_monitor_kills_a_rank_holding_the_gil(tmp_path):
+    code, declared = run_standin(tmp_path, "gil")
+    assert code == -signal.SIGTERM and declared == "hard_timeout"
+
+
+@pytest.mark.timeout(60)
+def test_monitor_declares_a_rank_that_died(tmp_path):
+    code, declared = run_standin(tmp_path, "exit")
+    assert code == 3 and declared == "exited"
+
+
+@pytest.mark.timeout(60)
+def test_monitor_stays_quiet_when_the_rank_leaves_normally(tmp_path):
+    code, declared = run_standin(tmp_path, "stop")
+    assert code == 0 and declared is None
