@@ -218,7 +218,7 @@ class SavePipeline:
 
     def close(self) -> None:
         # A save still unconfirmed (its finalize raised) gets its verdict, so the worker
-        # can finish it; an error is logged by the worker instead of raised here.
+        # can finish it; a modified snapshot is logged here instead of raised.
         self.confirm_staged(block=True, raise_errors=False)
         if self._thread is not None:
             self._requests.put(None)
