@@ -9,8 +9,6 @@ import threading
 import time
 
 import pytest
-from torch.utils.data import DataLoader, Dataset
-
 from nvrx_core.config import ConfigError
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
@@ -81,22 +79,6 @@ def test_exit_preempted_uses_the_preempted_exit_code():
     with pytest.raises(SystemExit) as exit_info:
         handler.exit_preempted()
     assert exit_info.value.code == ExitCode.PREEMPTED == 18
-
-
-class Pids(Dataset):
-    def __len__(self):
-        return 6
-
-    def __getitem__(self, index):
-        return os.getpid()
-
-
-def proc_state(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(line.split()[1] for line in f if line.startswith("State:"))
-    except FileNotFoundError:
-        return "gone"
 
 
 _WORKER_POLICY_SCRIPT = r"""
