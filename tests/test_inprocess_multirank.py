@@ -55,7 +55,8 @@ def _inject(params, state, step):
         raise ValueError(f"injected fault at step {step}")
     if fault == "sleep":  # GIL released: soft timeout
         time.sleep(3600)
-    if fault == "gil":  # a C call holding the GIL (PyDLL does not release it): hard timeout
+    if fault == "gil":  # a C call holding the GIL (PyDLL does not release it) that no signal breaks
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
         ctypes.PyDLL(None).sleep(3600)
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -213,6 +214,7 @@ def test_hang_holding_the_gil_is_killed_by_the_hard_timeout(tmp_path):
     assert [run.codes[r] for r in (0, 1, 3)] == [0, 0, 0], run.explain()
     killed = run.kinds("rank_killed")
     assert [(e["rank"], e["reason"]) for e in killed] == [(2, "hard_timeout")], run.explain()
+    assert "most recent call first" in run.log(2)  # faulthandler's stack dump before the kill
     for rank, new_rank in ((0, 0), (1, 1), (3, 2)):  # shifted down to close the gap
         assert run.result(rank)["iterations"][-1] == [1, new_rank, 3], run.explain()
 

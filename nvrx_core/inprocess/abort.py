@@ -13,13 +13,15 @@ store clients were opened before the iteration, so they are kept. A connection t
 training function itself opened during the iteration (an HTTP client, say) is shut down
 too; it belongs to the failed iteration.
 
-The process-group objects are kept referenced from their creation until release(): a
-gloo group whose last reference drops while its worker thread still finishes a
-collective deadlocks (the destructor joins the thread while holding the GIL that the
-thread needs to free the work's Python objects). That happens when DDP is freed right
-after its last collective, e.g. as the training function returns or unwinds. Holding
-the groups moves their destruction to release(), after a restart barrier or the
-completion wait, when the worker threads are long idle.
+Destroying an aborted group can block: ~ProcessGroupGloo joins its worker threads, and a
+worker that was running a collective queued behind the failed one can sit in a receive
+until the group's timeout (30 minutes by default), because gloo does not fail a receive
+posted on a connection that was already closed. A group whose last reference drops in
+the main thread can also deadlock, when DDP's reducer is freed (GIL held) right after a
+collective whose worker still needs the GIL to free its tensors. So the groups are
+referenced from their creation on, and release() hands the references to a daemon
+thread that drops them: torch releases the GIL while destroying a process group, so a
+destructor that waits for a stuck worker only holds up that thread, never training.
 """
 
 import gc
@@ -144,8 +146,9 @@ class AbortProcessGroups:
             torch.cuda.empty_cache()
 
     def release(self) -> None:
-        """Drop the held groups (main thread, when no collective is in flight)."""
+        """Destroy the held groups in the background (see the module docstring)."""
         with self._lock:
             held, self._held = self._held, {}
-        held.clear()
-        gc.collect()
+        gc.collect()  # DDP objects of a failed iteration are often in reference cycles
+        if held:
+            threading.Thread(target=held.clear, name="nvrx-inprocess-pg-reaper", daemon=True).start()

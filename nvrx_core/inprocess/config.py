@@ -59,6 +59,8 @@ class InProcessConfig:
     """Signal used to interrupt the rank's main thread (it also breaks blocking sleeps)."""
     termination_signal: str = "SIGTERM"
     """Hard timeout: first signal sent to the rank, before SIGKILL."""
+    stack_dump_signal: Optional[str] = "SIGUSR2"
+    """Hard timeout: sent first, so faulthandler prints every thread's stack (None: no dump)."""
     enabled: bool = True
     """False: the function is called once, without any restart machinery."""
 
@@ -99,6 +101,10 @@ class InProcessConfig:
         _check_signal("termination_signal", self.termination_signal, must_be_catchable=False)
         check(self.interrupt_signal != self.termination_signal, "interrupt_signal", self.interrupt_signal,
               "must differ from termination_signal")
+        if self.stack_dump_signal is not None:
+            _check_signal("stack_dump_signal", self.stack_dump_signal, must_be_catchable=True)
+            check(self.stack_dump_signal not in (self.interrupt_signal, self.termination_signal), "stack_dump_signal",
+                  self.stack_dump_signal, "must differ from interrupt_signal and termination_signal")
         for name in ("empty_cuda_cache", "enabled"):
             check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be true or false")
 
@@ -115,8 +121,9 @@ class InProcessConfig:
         layers = [load_yaml_section(yaml_path, YAML_SECTION)] if yaml_path else []
         return build(cls, *layers, overrides or {}, source=yaml_path or "InProcessConfig")
 
-    def signal_number(self, name: str) -> int:
-        return int(getattr(signal, getattr(self, name)))
+    def signal_number(self, name: str) -> Optional[int]:
+        value = getattr(self, name)
+        return None if value is None else int(getattr(signal, value))
 
 
 def _is_int(value) -> bool:

@@ -20,6 +20,7 @@ barrier may be complete, so polling cost does not grow with the number of ranks.
 
 import logging
 import time
+import uuid
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
@@ -106,7 +107,7 @@ class Coordinator:
     # ---- termination ---------------------------------------------------------------
     def mark_terminated(self, rank: int, cause: Cause, detail: str = "") -> bool:
         """Declare `rank` gone for good; True if this call was the first to say so."""
-        claim = f"{self.rank}:{cause.value}"
+        claim = f"{self.rank}:{cause.value}:{uuid.uuid4().hex}"  # unique: a repeated claim must not win again
         if self.store.compare_set(self.key("term", rank), "", claim).decode() != claim:
             return False
         self.store.append(self.key("term_list"), f"{rank}:{cause.value}\n")
@@ -191,9 +192,11 @@ class Coordinator:
                                      f"arrive within barrier_timeout={timeout} s")
             if now >= next_scan:
                 next_scan = now + heartbeat_interval
-                watch.update(self.heartbeats(sorted(members)))
+                waiting_for = sorted(members - set(self.terminated()))
+                watch.update(self.heartbeats(waiting_for))
                 for rank in watch.stale(heartbeat_timeout):
-                    on_lost(rank)
+                    if rank in waiting_for:
+                        on_lost(rank)
             poller.wait()
 
     def propose_plan(self, iteration: int, plan_json: str) -> str:

@@ -4,8 +4,9 @@ A rank stuck in a C call that holds the GIL cannot interrupt itself: no thread o
 run. So each rank forks a small monitor process when the Wrapper starts. The rank's
 monitor thread writes "progress <t>" lines (t: the main thread's last progress, on the
 shared CLOCK_MONOTONIC) into a pipe; the monitor process:
-- kills the rank (termination_signal, then SIGKILL after termination_grace) when its
-  last progress is older than hard_timeout, and declares it terminated in the store;
+- when the rank's last progress is older than hard_timeout: declares it terminated in
+  the store, asks faulthandler for a stack dump (stack_dump_signal), then kills it
+  (termination_signal, then SIGKILL after termination_grace);
 - declares the rank terminated (cause "exited") when it dies on its own: the pipe hits
   end-of-file, or the monitor's parent changes (the rank was its parent);
 - exits quietly on "stop", when the rank leaves the Wrapper normally.
@@ -37,6 +38,8 @@ class MonitorSettings:
     termination_signal: int
     interval: float
     log_path: Optional[str] = None
+    stack_dump_signal: Optional[int] = None
+    stack_dump_grace: float = 0.3
 
 
 class MonitorProcess:
@@ -158,8 +161,13 @@ class _Watcher:
     def _kill(self, stalled: float) -> int:
         pid, settings = self.rank_pid, self.settings
         detail = f"no progress for {stalled:.1f} s > hard_timeout={settings.hard_timeout} s"
-        logger.error("rank %d (pid %d): %s; sending %s", settings.rank, pid, detail,
-                     signal.Signals(settings.termination_signal).name)
+        logger.error("rank %d (pid %d): %s; killing it", settings.rank, pid, detail)
+        # Declared first: peers stop waiting for it, and if a signal below wakes it up, it
+        # finds itself out of the job instead of rejoining for the moment before it dies.
+        self._declare_safely(Cause.HARD_TIMEOUT, detail)
+        if settings.stack_dump_signal is not None:  # faulthandler in the rank prints every thread's stack
+            _signal(pid, settings.stack_dump_signal)
+            time.sleep(settings.stack_dump_grace)
         _signal(pid, settings.termination_signal)
         deadline = time.monotonic() + settings.termination_grace
         while time.monotonic() < deadline and _alive(pid) and os.getppid() == pid:
@@ -167,7 +175,6 @@ class _Watcher:
         if _alive(pid) and os.getppid() == pid:
             _signal(pid, signal.SIGKILL)
         self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail)
-        self._declare_safely(Cause.HARD_TIMEOUT, detail)
         return 0
 
     def _rank_gone(self, detail: str) -> int:

@@ -14,10 +14,12 @@ imported modules, the CUDA context and whatever the function kept in memory surv
 """
 
 import dataclasses
+import faulthandler
 import functools
 import inspect
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -107,6 +109,7 @@ class _Call:
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}
         self.completed = False
         self.coord = self.abort = self.interrupter = self.monitor = self.monitor_process = None
+        self.registered_dump_signal: Optional[int] = None
 
     # ---- setup / teardown --------------------------------------------------------------
     def run(self, args: Tuple, kwargs: Dict) -> Any:
@@ -140,7 +143,12 @@ class _Call:
             log_path = os.path.join(self.config.monitor_log_dir, f"monitor_rank{self.rank}.log")
         settings = MonitorSettings(self.rank, self.config.hard_timeout, self.config.termination_grace,
                                    self.config.signal_number("termination_signal"),
-                                   min(self.config.monitor_interval, 0.5), log_path)
+                                   min(self.config.monitor_interval, 0.5), log_path,
+                                   self.config.signal_number("stack_dump_signal"))
+        dump = settings.stack_dump_signal
+        if dump is not None and signal.getsignal(dump) == signal.SIG_DFL:  # nobody else handles it
+            faulthandler.register(dump, all_threads=True, chain=False)
+            self.registered_dump_signal = dump
         clients, rank = self.clients, self.rank
 
         def declare(cause: Cause, detail: str) -> None:  # runs in the monitor process
@@ -172,6 +180,8 @@ class _Call:
             self.abort.release()
         if self.interrupter is not None:
             self.interrupter.uninstall()
+        if self.registered_dump_signal is not None:
+            faulthandler.unregister(self.registered_dump_signal)
         for key, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
