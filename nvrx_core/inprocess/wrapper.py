@@ -16,6 +16,7 @@ imported modules, the CUDA context and whatever the function kept in memory surv
 import dataclasses
 import faulthandler
 import functools
+import gc
 import inspect
 import logging
 import os
@@ -110,6 +111,7 @@ class _Call:
         self.completed = False
         self.coord = self.abort = self.interrupter = self.monitor = self.monitor_process = None
         self.registered_dump_signal: Optional[int] = None
+        self.froze_gc = False
 
     # ---- setup / teardown --------------------------------------------------------------
     def run(self, args: Tuple, kwargs: Dict) -> Any:
@@ -120,6 +122,10 @@ class _Call:
         try:
             self.coord = Coordinator(self.clients.connect(), prefix, self.rank)
             self.nodes = self.coord.initial_barrier(self.node, self.world_size, self.config.barrier_timeout)
+            # Objects that exist now (modules, torch internals) are not garbage from a failed
+            # iteration: keep them out of the full collection every restart runs (0.2-0.7 s).
+            gc.freeze()
+            self.froze_gc = True
             protected = endpoint.port if self.clients.server is not None else None
             self.abort = AbortProcessGroups(IterationConnections(protected), self.config.empty_cuda_cache)
             self.interrupter = MainThreadInterrupter(self.config.signal_number("interrupt_signal"))
@@ -182,6 +188,8 @@ class _Call:
             self.interrupter.uninstall()
         if self.registered_dump_signal is not None:
             faulthandler.unregister(self.registered_dump_signal)
+        if self.froze_gc:
+            gc.unfreeze()
         for key, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
