@@ -208,13 +208,16 @@ def test_hang_with_gil_released_ends_in_soft_timeout(tmp_path, reference):
 
 @pytest.mark.timeout(150)
 def test_hang_holding_the_gil_is_killed_by_the_hard_timeout(tmp_path):
-    config = {"heartbeat_timeout": 20.0}  # the kill, not a missed heartbeat, must end this hang
+    monitor_logs = tmp_path / "monitor"
+    config = {"heartbeat_timeout": 20.0,  # the kill, not a missed heartbeat, must end this hang
+              "monitor_log_dir": str(monitor_logs)}
     run = launch(tmp_path, "loop_job", {"fault": "gil", "fault_rank": 2, "config": config})
     assert run.codes[2] == -signal.SIGTERM, run.explain()
     assert [run.codes[r] for r in (0, 1, 3)] == [0, 0, 0], run.explain()
     killed = run.kinds("rank_killed")
     assert [(e["rank"], e["reason"]) for e in killed] == [(2, "hard_timeout")], run.explain()
     assert "most recent call first" in run.log(2)  # faulthandler's stack dump before the kill
+    assert "hard_timeout=6.0 s; killing it" in (monitor_logs / "monitor_rank2.log").read_text()
     for rank, new_rank in ((0, 0), (1, 1), (3, 2)):  # shifted down to close the gap
         assert run.result(rank)["iterations"][-1] == [1, new_rank, 3], run.explain()
 

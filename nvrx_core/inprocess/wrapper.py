@@ -94,6 +94,13 @@ def _state_parameter(fn: Callable) -> Optional[str]:
     return None
 
 
+def _is_communication_error(error: BaseException) -> bool:
+    """A collective that failed, most likely because another rank did (logged without a traceback)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "NCCL" in str(error)
+
+
 class _Call:
     """One invocation of a wrapped function: setup, the restart loop, teardown."""
 
@@ -330,8 +337,11 @@ class _Call:
             detail = f"{type(error).__name__}: {error}"[:1000]
             cause = Cause.PEER_INTERRUPTED if self.coord.interrupted(k, plan.marked) else Cause.EXCEPTION
             self.coord.record(k, cause, detail)
-            logger.error("rank %d iteration %d: %s", self.rank, k, detail,
-                         exc_info=(type(error), error, error.__traceback__) if cause == Cause.EXCEPTION else None)
+            if cause == Cause.EXCEPTION and not _is_communication_error(error):
+                logger.error("rank %d iteration %d: %s", self.rank, k, detail,
+                             exc_info=(type(error), error, error.__traceback__))
+            else:
+                logger.warning("rank %d iteration %d: %s", self.rank, k, detail)
             return cause, detail
         return cause, "interrupted while waiting for the other ranks"
 
