@@ -61,12 +61,14 @@ class IterationConnections:
 
     def __init__(self, protected_local_port: Optional[int] = None):
         self.protected_local_port = protected_local_port
-        self._baseline: Set[SocketId] = set()
+        self._baseline: Optional[Set[SocketId]] = None
 
     def begin(self) -> None:
         self._baseline = open_sockets()
 
     def shut_down(self) -> int:
+        if self._baseline is None:  # no iteration began: nothing is ours to shut down
+            return 0
         count = 0
         for fd, link in open_sockets() - self._baseline:
             if self._shut_down_one(fd, link):
