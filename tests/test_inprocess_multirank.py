@@ -126,6 +126,9 @@ def loop_job(params):
         for step in range(params.get("steps", 8)):
             _inject(params, state, step)
             dist.all_reduce(torch.ones(4))
+        if state.initial_rank == params.get("linger_rank"):  # busy in Python (progress), never finishing
+            while True:
+                time.sleep(0.01)
         return state.rank
 
     return {"rank": train(), "iterations": seen}
@@ -254,6 +257,13 @@ def test_max_rank_faults_excludes_the_faulty_rank_and_a_reserve_steps_in(tmp_pat
     assert run.result(3)["iterations"] == [[2, 1, 3]]  # iteration 2: the reserve has rank 1
     excluded = run.kinds("inprocess_excluded")
     assert [(e["rank"], e["cause"], e["faults"]) for e in excluded] == [(1, "max_rank_faults", 2)]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_finishes_ends_in_completion_timeout(tmp_path):
+    run = launch(tmp_path, "loop_job", {"linger_rank": 2, "config": {"completion_timeout": 2.0}})
+    assert run.codes == [ExitCode.INPROCESS_GAVE_UP] * WORLD, run.explain()
+    assert all("completion_timeout=2.0 s expired" in e["reason"] for e in run.kinds("inprocess_gave_up"))
 
 
 @pytest.mark.timeout(120)

@@ -128,6 +128,12 @@ def test_max_iterations_gives_up():
     assert "max_iterations=2" in plan.give_up
 
 
+def test_completion_timeout_gives_up():
+    config = InProcessConfig()
+    plan = next_plan(first_plan(nodes(2), config), [rec(0, Cause.COMPLETION_TIMEOUT, True)], {}, config, ShiftRanks())
+    assert plan.give_up.startswith("completion_timeout=120.0 s expired") and plan.faults == {}
+
+
 def test_plan_survives_the_store_round_trip():
     config = InProcessConfig(active_world_size=3)
     plan = next_plan(first_plan(nodes(4), config), [rec(1, Cause.SOFT_TIMEOUT, True)], {0: "hard_timeout"},
