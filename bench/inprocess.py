@@ -175,10 +175,11 @@ def run_once(name, peer_python, limit=60.0):
     fault = next((r["t"] for r in records if r["ev"] == "fault"), None)
     after = [r["t"] for r in records if r["ev"] == "step" and r.get("generation", 0) >= 1]
     last_step = max((r["step"] for r in records if r["ev"] == "step"), default=0)
-    tail = open(log_path).read()[-1500:]
+    with open(log_path, errors="replace") as f:
+        log = f.read()[-1_000_000:]
     shutil.rmtree(workdir, ignore_errors=True)
     recovery = (min(after) - fault) if fault is not None and after else None
-    return {"recovery": recovery, "exit": code, "finished": code == 0 and last_step == STEPS, "log": tail}
+    return {"recovery": recovery, "exit": code, "finished": code == 0 and last_step == STEPS, "log": log}
 
 
 def median_recovery(name, peer_python, runs, stop_after_failure=False):
@@ -248,7 +249,8 @@ def main() -> int:
         recovered = sum(r["recovery"] is not None for r in results)
         if recovered < len(results):
             stale = any("connectFullMesh failed" in r["log"] or "Connection refused" in r["log"] for r in results)
-            why = ": restarted workers read the previous attempt's process-group keys (pytorch#135712)" if stale else ""
+            why = (": restarted workers tried to connect to gloo addresses nobody listens on, stale keys in "
+                   "torchrun's reused store (pytorch#135712)") if stale else ""
             notes[f"{name} restart"] = f" ({recovered}/{len(results)} runs recovered{why})"
     peer_name = "nvrx-0.4.1 inprocess.Wrapper"
     problem = peer_problem(args.peer_python)

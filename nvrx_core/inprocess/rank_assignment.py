@@ -141,11 +141,11 @@ class FillGapsFromTop:
         active = list(assignment.active)
         for i in assignment.terminated:
             active[i] = None
-        by_rank = sorted((r, i) for i, r in enumerate(active) if r is not None)
+        by_rank = sorted((i for i, r in enumerate(active) if r is not None), key=active.__getitem__)
         for gap in gaps:
-            if not by_rank or by_rank[-1][0] < gap:
+            if not by_rank or active[by_rank[-1]] < gap:
                 break
-            _, mover = by_rank.pop()
+            mover = by_rank.pop()
             active[mover] = gap
         return assignment.replace(active=tuple(active))
 
@@ -157,8 +157,8 @@ class ShiftRanks:
         active = list(assignment.active)
         for i in assignment.terminated:
             active[i] = None
-        order = sorted((r, i) for i, r in enumerate(active) if r is not None)
-        for new_rank, (_, i) in enumerate(order):
+        order = sorted((i for i, r in enumerate(active) if r is not None), key=active.__getitem__)
+        for new_rank, i in enumerate(order):
             active[i] = new_rank
         return assignment.replace(active=tuple(active))
 
