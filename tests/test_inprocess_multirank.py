@@ -11,7 +11,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -31,7 +30,8 @@ STEPS = 16
 
 # ---- what each rank runs ------------------------------------------------------------------
 def _rank_main(job, rank, port, params, outdir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK=str(rank), NVRX_TEST_INITIAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
                       NVRX_EVENTS_FILE=os.path.join(outdir, "events.jsonl"), **params.get("env", {}).get(str(rank), {}))
     log = open(os.path.join(outdir, f"rank{rank}.log"), "w", buffering=1)
@@ -115,11 +115,16 @@ def _restore(model, snapshots, state) -> int:
 
 def loop_job(params):
     """A plain all-reduce loop (no DDP): for tests about limits, not about numerics."""
+    from nvrx_core.health import CudaHealthCheck, HealthCheckChain, HealthResult, Status
     from nvrx_core.inprocess import RestartState, Wrapper
 
     seen = []
 
-    @Wrapper(**{**FAST, **params.get("config", {})})
+    def health_check():  # the real checks are "not applicable" here: this one fails on demand
+        healthy = int(os.environ["NVRX_TEST_INITIAL_RANK"]) != params.get("unhealthy_rank")
+        return HealthResult("test", Status.HEALTHY if healthy else Status.UNHEALTHY, "simulated GPU fault")
+
+    @Wrapper(**{**FAST, **params.get("config", {})}, health_check=HealthCheckChain(CudaHealthCheck(), health_check))
     def train(state: RestartState):
         seen.append((state.iteration, state.rank, state.world_size))
         state.init_process_group("gloo")
@@ -257,6 +262,17 @@ def test_max_rank_faults_excludes_the_faulty_rank_and_a_reserve_steps_in(tmp_pat
     assert run.result(3)["iterations"] == [[2, 1, 3]]  # iteration 2: the reserve has rank 1
     excluded = run.kinds("inprocess_excluded")
     assert [(e["rank"], e["cause"], e["faults"]) for e in excluded] == [(1, "max_rank_faults", 2)]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_its_health_check_after_a_fault_is_excluded(tmp_path):
+    run = launch(tmp_path, "loop_job", {"fault": "exception", "fault_rank": 0, "unhealthy_rank": 2})
+    assert run.codes[2] == 1 and "failed its health check" in run.log(2), run.explain()
+    assert [run.codes[r] for r in (0, 1, 3)] == [0, 0, 0], run.explain()
+    assert run.result(3)["iterations"][-1] == [1, 2, 3]
+    checks = [(e["rank"], e["check"], e["status"]) for e in run.kinds("health_check")]
+    assert (2, "test", "unhealthy") in checks and (2, "cuda", "not_applicable") in checks
+    assert (0, "test", "healthy") in checks
 
 
 @pytest.mark.timeout(120)

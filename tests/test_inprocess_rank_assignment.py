@@ -7,7 +7,7 @@ import pytest
 from nvrx_core.inprocess.config import InProcessConfig
 from nvrx_core.inprocess.planning import ACTIVE, OUT, RESERVE, Plan, first_plan, next_plan
 from nvrx_core.inprocess.rank_assignment import (ActivateReserves, Assignment, DivisibleBy, FillGapsFromTop,
-                                                 KeepWholeNodes, LimitWorldSize, RankAssignmentError, ShiftRanks,
+                                                 LimitWorldSize, RankAssignmentError, ShiftRanks,
                                                  check_assignment, compose, default_policy, initial_assignment,
                                                  mark_terminated)
 from nvrx_core.inprocess.records import Cause, InterruptionRecord

@@ -51,6 +51,7 @@ class MonitorThread(threading.Thread):
         self._successors: List[int] = []
         self.triggered: Optional[Cause] = None
         self.error: Optional[BaseException] = None
+        self._next_heartbeat = self._next_watch = 0.0
 
     # ---- called by the main thread --------------------------------------------------
     def begin_iteration(self, iteration: int, members: List[int], terminated_base: int, in_function: bool) -> None:
@@ -75,30 +76,33 @@ class MonitorThread(threading.Thread):
     # ---- the thread ------------------------------------------------------------------
     def run(self) -> None:
         watch = HeartbeatWatch(self._clock)
-        next_heartbeat = next_watch = 0.0
-        try:
-            while not self._stop_event.wait(self._period()):
-                now = self._clock()
-                self.progress.poke()
-                self.abort.hold_current()
-                if self.monitor_process is not None:
-                    self.monitor_process.report_progress(self.progress.last)
-                if now >= next_heartbeat:
-                    next_heartbeat = now + self.config.heartbeat_interval
-                    self.coord.heartbeat()
-                iteration = self._iteration
-                if iteration is None:
-                    continue
-                if self.triggered is not None:
-                    self._repeat_interruption()
-                    continue
-                self._check_iteration(iteration, now)
-                if now >= next_watch and self.triggered is None:
-                    next_watch = now + self.config.heartbeat_interval
-                    self._watch_successors(iteration, watch)
-        except Exception as e:  # the store went away: the main thread will fail on it too
-            self.error = e
-            logger.error("in-process monitor thread stopped: %s", e)
+        while not self._stop_event.wait(self._period()):
+            now = self._clock()
+            self.progress.poke()
+            self.abort.hold_current()
+            if self.monitor_process is not None:  # local: must go on even when the store does not answer
+                self.monitor_process.report_progress(self.progress.last)
+            try:
+                self._tick(now, watch)
+            except Exception as e:  # a store hiccup; a store that is gone fails the main thread too
+                if self.error is None or str(e) != str(self.error):
+                    logger.error("in-process monitor thread: store request failed: %s", e)
+                self.error = e
+
+    def _tick(self, now: float, watch: HeartbeatWatch) -> None:
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.config.heartbeat_interval
+            self.coord.heartbeat()
+        iteration = self._iteration
+        if iteration is None:
+            return
+        if self.triggered is not None:
+            self._repeat_interruption()
+            return
+        self._check_iteration(iteration, now)
+        if now >= self._next_watch and self.triggered is None:
+            self._next_watch = now + self.config.heartbeat_interval
+            self._watch_successors(iteration, watch)
 
     def _repeat_interruption(self) -> None:
         """Training code that swallowed the interruption (except BaseException) gets it again."""

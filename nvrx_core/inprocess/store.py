@@ -18,7 +18,6 @@ of another thread.
 import dataclasses
 import datetime
 import logging
-import os
 from typing import Mapping, Optional
 
 import torch.distributed as dist

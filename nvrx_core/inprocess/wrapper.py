@@ -117,7 +117,6 @@ class _Call:
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}
         self.completed = False
         self.coord = self.abort = self.interrupter = self.monitor = self.monitor_process = None
-        self.registered_dump_signal: Optional[int] = None
         self.froze_gc = False
 
     # ---- setup / teardown --------------------------------------------------------------
@@ -159,9 +158,10 @@ class _Call:
                                    min(self.config.monitor_interval, 0.5), log_path,
                                    self.config.signal_number("stack_dump_signal"))
         dump = settings.stack_dump_signal
-        if dump is not None and signal.getsignal(dump) == signal.SIG_DFL:  # nobody else handles it
+        if dump is not None and signal.getsignal(dump) == signal.SIG_DFL:  # no Python handler claims it
+            # Left registered afterwards: ft_launcher's node monitor expects the same stack dump
+            # on this signal, and a dump is a better default than dying.
             faulthandler.register(dump, all_threads=True, chain=False)
-            self.registered_dump_signal = dump
         clients, rank = self.clients, self.rank
 
         def declare(cause: Cause, detail: str) -> None:  # runs in the monitor process
@@ -193,8 +193,6 @@ class _Call:
             self.abort.release()
         if self.interrupter is not None:
             self.interrupter.uninstall()
-        if self.registered_dump_signal is not None:
-            faulthandler.unregister(self.registered_dump_signal)
         if self.froze_gc:
             gc.unfreeze()
         for key, value in self.saved_env.items():
@@ -247,7 +245,6 @@ class _Call:
         self.interrupter.arm()
         try:
             result = self.fn(*args, **kwargs)
-            self.interrupter.disarm()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # RestartRequested included
