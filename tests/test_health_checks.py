@@ -198,12 +198,18 @@ def test_nvml_that_cannot_start_is_not_applicable():
 
 
 # ---- chains and the Wrapper's gate -------------------------------------------------------------
-def test_chain_reports_every_check_and_a_broken_one_as_unhealthy():
+def test_chain_reports_every_check_and_a_broken_one_as_unhealthy(tmp_path):
     def broken():
         raise RuntimeError("driver exploded")
 
-    results = HealthCheckChain(lambda: HealthResult("a", Status.HEALTHY), broken)()
-    assert [r.status for r in results] == [Status.HEALTHY, Status.UNHEALTHY] and "driver exploded" in results[1].detail
+    log = ev.EventLog(str(tmp_path / "events.jsonl"), rank=3)
+    results = HealthCheckChain(lambda: HealthResult("a", Status.HEALTHY), broken, GPUHealthCheck(), events=log)()
+    assert [r.status for r in results] == [Status.HEALTHY, Status.UNHEALTHY, Status.NOT_APPLICABLE]
+    assert "driver exploded" in results[1].detail
+    recorded = ev.read_events(str(tmp_path / "events.jsonl"))
+    assert [(e["kind"], e["rank"], e["check"], e["status"]) for e in recorded] == [
+        ("health_check", 3, "a", "healthy"), ("health_check", 3, "broken", "unhealthy"),
+        ("health_check", 3, "gpu", "not_applicable")]
 
 
 def test_gate_accepts_results_lists_and_launcher_tuples(tmp_path):

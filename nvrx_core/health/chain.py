@@ -8,16 +8,20 @@ nvrx_core.health:node_health_check): every GPU of the node, NVML only (the launc
 not create a CUDA context).
 """
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
+from nvrx_core import events as ev
 from nvrx_core.health.cuda import CudaHealthCheck
 from nvrx_core.health.gpu import GPUHealthCheck, NVLHealthCheck
 from nvrx_core.health.result import HealthResult, Status
 
 
 class HealthCheckChain:
-    def __init__(self, *checks: Callable[[], HealthResult]):
+    """Runs every check; with `events`, each result is also a `health_check` event."""
+
+    def __init__(self, *checks: Callable[[], HealthResult], events: Optional[ev.EventLog] = None):
         self.checks = checks
+        self.events = events
 
     def __call__(self) -> List[HealthResult]:
         results = []
@@ -25,8 +29,10 @@ class HealthCheckChain:
             try:
                 results.append(check())
             except Exception as e:  # a broken check is a failed check, not a crashed rank
-                name = getattr(check, "name", type(check).__name__)
+                name = getattr(check, "name", None) or getattr(check, "__name__", type(check).__name__)
                 results.append(HealthResult(name, Status.UNHEALTHY, f"check raised {type(e).__name__}: {e}"))
+            if self.events is not None:
+                self.events.emit(ev.HEALTH_CHECK, **results[-1].to_dict())
         return results
 
 
