@@ -176,3 +176,4 @@ def test_client_outside_ft_launcher_is_inactive_and_says_so(monkeypatch, caplog)
 def test_unreachable_monitor_is_an_error(tmp_path):
     with pytest.raises(ConnectionError, match="cannot reach the ft_launcher node monitor"):
         RankMonitorClient(socket_path=str(tmp_path / "nobody.sock")).init_workload_monitoring(connect_timeout=1)
+

@@ -4,8 +4,9 @@ It outlives restart cycles (started once by ft_launcher) so calculated timeouts 
 per-cycle progress record survive the ranks. Ranks talk to it over a Unix socket
 (nvrx_core.ft.protocol). It sleeps until the earliest deadline of any rank; when one
 expires it asks the rank to dump all thread stacks (faulthandler on stack_dump_signal),
-waits stack_dump_grace, sends rank_termination_signal, and escalates to SIGKILL if the
-rank is still alive after termination_grace. The launcher then sees a failed worker and
+waits stack_dump_grace (longer while the signal is still pending: a rank that the scheduler
+has not run yet has not written its stacks), sends rank_termination_signal, and escalates
+to SIGKILL if the rank is still alive after termination_grace. The launcher then sees a failed worker and
 restarts the group. Timing never blocks serving: pending kills are scheduled actions.
 
 Imports stdlib only (plus nvrx_core config parsing): it must start fast and never touch torch.
@@ -28,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.protocol import LineBuffer, ProtocolError, encode
+from nvrx_core.proc import DUMP_WAIT_LIMIT, signal_pending
 from nvrx_core.ft.timeouts import Timeouts
 
 logger = logging.getLogger("nvrx.ft.monitor")
@@ -322,7 +324,18 @@ class NodeMonitor:
         if self._signal(w, self.cfg.stack_dump_signal):
             self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
                              signal=self.cfg.stack_dump_signal.name)
-        self._schedule(self._clock() + self.cfg.stack_dump_grace, lambda: self._terminate(w))
+        sent = self._clock()
+        self._schedule(sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, waited=False))
+
+    def _terminate_after_dump(self, w: RankWatch, sent: float, waited: bool) -> None:
+        """Terminate once the rank has taken the dump signal, or after DUMP_WAIT_LIMIT."""
+        now = self._clock()
+        if now - sent < DUMP_WAIT_LIMIT and signal_pending(w.pid, self.cfg.stack_dump_signal):
+            self._schedule(now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
+        elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
+            self._schedule(now + self.cfg.stack_dump_grace, lambda: self._terminate(w))
+        else:
+            self._terminate(w)
 
     def _terminate(self, w: RankWatch) -> None:
         sig = self.cfg.rank_termination_signal

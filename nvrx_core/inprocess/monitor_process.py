@@ -25,6 +25,7 @@ import time
 from typing import Callable, Optional
 
 from nvrx_core import events as ev
+from nvrx_core import proc
 from nvrx_core.inprocess.records import RANK_TERMINATED, Cause
 
 logger = logging.getLogger("nvrx.inprocess.monitor")
@@ -167,12 +168,13 @@ class _Watcher:
         self._declare_safely(Cause.HARD_TIMEOUT, detail)
         if settings.stack_dump_signal is not None:  # faulthandler in the rank prints every thread's stack
             _signal(pid, settings.stack_dump_signal)
-            time.sleep(settings.stack_dump_grace)
+            proc.wait_until_taken(pid, settings.stack_dump_signal, settings.stack_dump_grace,
+                                  limit=proc.DUMP_WAIT_LIMIT)
         _signal(pid, settings.termination_signal)
         deadline = time.monotonic() + settings.termination_grace
-        while time.monotonic() < deadline and _alive(pid) and os.getppid() == pid:
+        while time.monotonic() < deadline and proc.alive(pid) and os.getppid() == pid:
             time.sleep(0.02)
-        if _alive(pid) and os.getppid() == pid:
+        if proc.alive(pid) and os.getppid() == pid:
             _signal(pid, signal.SIGKILL)
         self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail)
         return 0
@@ -195,12 +197,3 @@ def _signal(pid: int, signum: int) -> None:
         os.kill(pid, signum)
     except ProcessLookupError:
         pass
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
