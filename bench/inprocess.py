@@ -107,7 +107,8 @@ def worker_ours(workdir):
 
 
 def worker_peer(workdir):
-    import torch
+    from datetime import timedelta
+
     import torch.distributed as dist
     from nvidia_resiliency_ext import inprocess
 
@@ -116,11 +117,10 @@ def worker_peer(workdir):
     base_store = dist.TCPStore(os.environ["MASTER_ADDR"], port + 2, world, is_master=rank == 0,
                                multi_tenant=True, wait_for_workers=True)
     memory = {"model": None, "step": 0}
-    seconds = __import__("datetime").timedelta
 
-    @inprocess.Wrapper(store_kwargs={"port": port + 1}, soft_timeout=seconds(seconds=PEER_HARD_TIMEOUT - 5),
-                       hard_timeout=seconds(seconds=PEER_HARD_TIMEOUT), heartbeat_timeout=seconds(seconds=20),
-                       barrier_timeout=seconds(seconds=60), completion_timeout=seconds(seconds=60),
+    @inprocess.Wrapper(store_kwargs={"port": port + 1}, soft_timeout=timedelta(seconds=PEER_HARD_TIMEOUT - 5),
+                       hard_timeout=timedelta(seconds=PEER_HARD_TIMEOUT), heartbeat_timeout=timedelta(seconds=20),
+                       barrier_timeout=timedelta(seconds=60), completion_timeout=timedelta(seconds=60),
                        health_check=None)
     def train(call_wrapper: inprocess.CallWrapper = None):
         store = dist.PrefixStore(f"iteration{call_wrapper.iteration}", base_store)

@@ -170,13 +170,16 @@ class _Watcher:
             _signal(pid, settings.stack_dump_signal)
             proc.wait_until_taken(pid, settings.stack_dump_signal, settings.stack_dump_grace,
                                   limit=proc.DUMP_WAIT_LIMIT)
+        # Written before the signal: whoever sees the rank gone finds the record already there.
+        self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail,
+                         signal=signal.Signals(settings.termination_signal).name)
         _signal(pid, settings.termination_signal)
         deadline = time.monotonic() + settings.termination_grace
         while time.monotonic() < deadline and proc.alive(pid) and os.getppid() == pid:
             time.sleep(0.02)
         if proc.alive(pid) and os.getppid() == pid:
+            logger.error("rank %d (pid %d) survived the termination signal; sending SIGKILL", settings.rank, pid)
             _signal(pid, signal.SIGKILL)
-        self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail)
         return 0
 
     def _rank_gone(self, detail: str) -> int:
