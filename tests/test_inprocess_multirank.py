@@ -22,7 +22,7 @@ from nvrx_core.exit_codes import ExitCode
 
 WORLD = 4
 CTX = multiprocessing.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "nvrx_core.inprocess"])
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "nvrx_core.inprocess"]
 FAST = dict(soft_timeout=3.0, hard_timeout=6.0, heartbeat_interval=0.2, heartbeat_timeout=5.0, monitor_interval=0.1,
             barrier_timeout=30.0, completion_timeout=30.0, termination_grace=1.0)
 STEPS = 16
@@ -49,7 +49,8 @@ def _inject(params, state, step):
     fault = params.get("fault")
     if not fault or state.initial_rank != params["fault_rank"] or step != params.get("fault_step", 5):
         return
-    if state.iteration not in params.get("fault_iterations", (0,)) and params.get("fault_iterations") != "all":
+    iterations = params.get("fault_iterations", (0,))
+    if iterations != "all" and state.iteration not in iterations:
         return
     if fault == "exception":
         raise ValueError(f"injected fault at step {step}")
@@ -160,11 +161,19 @@ class Run:
         return [e for e in self.events if e["kind"] == kind]
 
     def explain(self):
-        return f"exit codes {self.codes}\n" + "\n".join(f"--- rank {r}\n{self.log(r)[-3000:]}" for r in range(WORLD))
+        """Exit codes and each rank's log, without the C++ frames of torch's error messages."""
+        def readable(rank):
+            lines = [line for line in self.log(rank).splitlines() if not line.lstrip().startswith("frame #")]
+            return "\n".join(lines)[-4000:]
+        timeline = "\n".join(f"{e['time']:.3f} rank {e.get('rank')} {e['kind']} iteration={e.get('iteration')} "
+                             f"{e.get('cause') or e.get('reason') or ''}" for e in self.events)
+        return (f"exit codes {self.codes}\n--- events\n{timeline}\n" +
+                "\n".join(f"--- rank {r}\n{readable(r)}" for r in range(WORLD)))
 
 
 def launch(tmp_path, job, params, timeout=90.0) -> Run:
     outdir = str(tmp_path)
+    CTX.set_forkserver_preload(PRELOAD)  # takes effect if this starts the fork server
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [CTX.Process(target=_rank_main, args=(job, r, store.port, params, outdir)) for r in range(WORLD)]
     for p in procs:
