@@ -258,3 +258,36 @@ def test_monitor_declares_a_rank_that_died(tmp_path):
 def test_monitor_stays_quiet_when_the_rank_leaves_normally(tmp_path):
     code, declared = run_standin(tmp_path, "stop")
     assert code == 0 and declared is None
+
+
+def test_clear_frames_frees_what_chained_errors_kept_alive():
+    """A failed iteration's objects (its DDP model, its process group) must not outlive _restart."""
+    import gc
+    import weakref
+
+    from nvrx_core.inprocess.wrapper import _clear_frames
+
+    class Group:
+        pass
+
+    refs = []
+
+    def all_reduce():
+        group = Group()  # what torch.distributed resolves into a local before it fails
+        refs.append(weakref.ref(group))
+        raise RuntimeError("Connection closed by peer")
+
+    def collective():
+        try:
+            all_reduce()
+        except RuntimeError:
+            raise KeyboardInterrupt  # the interruption, raised while the first error is handled
+
+    try:
+        collective()
+    except BaseException as e:
+        error = e
+    assert refs[0]() is not None and isinstance(error.__context__, RuntimeError)
+    _clear_frames(error)
+    gc.collect()
+    assert refs[0]() is None

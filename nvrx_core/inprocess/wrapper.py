@@ -94,6 +94,24 @@ def _state_parameter(fn: Callable) -> Optional[str]:
     return None
 
 
+def _clear_frames(error: BaseException) -> None:
+    """Drop the locals of every frame in the error's tracebacks, chained errors included.
+
+    Those locals (a DDP model, a process group resolved inside torch.distributed) keep the
+    failed iteration's groups alive. Freed here, while the Wrapper still holds the groups,
+    their last reference dies in the reaper thread, not later in the main thread, where
+    destroying a group whose gloo worker waits out its timeout would stall the rank.
+    """
+    pending, seen = [error], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        pending += [error.__cause__, error.__context__]
+
+
 def _is_communication_error(error: BaseException) -> bool:
     """A collective that failed, most likely because another rank did (logged without a traceback)."""
     import torch.distributed as dist
@@ -228,7 +246,8 @@ class _Call:
                 self.completed = True
                 self.events.emit(COMPLETED, iteration=plan.iteration, role=role)
                 return value
-            plan = self._restart(plan, outcome, value)
+            error, value = value, None  # _restart drops the last reference to the failed iteration's error
+            plan = self._restart(plan, outcome, error)
 
     def _run_iteration(self, plan: Plan, role: str, args: Tuple, kwargs: Dict):
         """(_COMPLETED, return value) or (cause-or-None, exception-or-None)."""
@@ -299,7 +318,7 @@ class _Call:
         self.abort.destroy()
         self.events.emit(ABORTED, iteration=k, connections_shut_down=shut, by="main")
         if error is not None:
-            traceback.clear_frames(error.__traceback__)
+            _clear_frames(error)
             error = None
         healthy, results = self.health.run(self.events, k)
         if not healthy:
