@@ -105,7 +105,8 @@ class FTConfig:
     stack_dump_signal: signal.Signals = signal.SIGUSR2
     """The rank's faulthandler dumps all thread stacks to its stderr on this signal."""
     stack_dump_grace: float = 0.2
-    """Seconds between the stack-dump signal and the termination signal."""
+    """Seconds between the stack-dump signal and the termination signal; longer (up to 5 s) while
+    the rank has not taken the dump signal yet (a loaded node), so the dump is not lost."""
     termination_grace: float = 5.0
     """If the rank survives the termination signal this long, it is sent SIGKILL."""
     num_warmup_iterations: int = 1
