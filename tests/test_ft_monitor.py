@@ -21,17 +21,9 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor import NodeMonitor
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import Timeouts
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class MonitorThread:

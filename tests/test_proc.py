@@ -10,6 +10,7 @@ import time
 import pytest
 
 from nvrx_core.proc import alive, signal_pending, wait_until_taken
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,15 +18,6 @@ pytestmark = pytest.mark.timeout(60)
 CHILD = ("import signal, sys, time; signal.signal(signal.SIGUSR2, lambda *a: print('took it', flush=True)); "
          "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2}); print('ready', flush=True); "
          "sys.stdin.readline(); signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2}); time.sleep(60)")
-
-
-def wait_for(predicate, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
