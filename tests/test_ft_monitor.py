@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class MonitorThread:
-    def __init__(self, tmp_path, **cfg):
+    def __init__(self, tmp_path, kill=None, **cfg):
         self.path = str(tmp_path / "m.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.path)
@@ -36,7 +36,7 @@ class MonitorThread:
         self.events_file = str(tmp_path / "events.jsonl")
         self.monitor = NodeMonitor(
             listener, FTConfig(stack_dump_grace=0.05, **cfg), EventLog(self.events_file, source="monitor"),
-            kill=lambda pid, sig: self.kills.append((pid, signal.Signals(sig))))
+            kill=kill or (lambda pid, sig: self.kills.append((pid, signal.Signals(sig)))))
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -169,3 +169,36 @@ def test_unreachable_monitor_is_an_error(tmp_path):
     with pytest.raises(ConnectionError, match="cannot reach the ft_launcher node monitor"):
         RankMonitorClient(socket_path=str(tmp_path / "nobody.sock")).init_workload_monitoring(connect_timeout=1)
 
+
+
+def test_stacks_of_a_hung_rank_are_reported_as_one_block_from_its_own_file(tmp_path, caplog):
+    """The dump signal really reaches faulthandler (in this process); SIGKILL is only recorded."""
+    sent = []
+
+    def kill(pid, sig):
+        sent.append(signal.Signals(sig))
+        if sig == signal.SIGUSR2:
+            os.kill(pid, sig)
+
+    caplog.set_level("ERROR", logger="nvrx.ft.monitor")
+    monitor = MonitorThread(tmp_path, kill=kill, rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30)
+    try:
+        client = monitor.client()
+        stack_files = list(tmp_path.glob("stacks-rank*-pid*.txt"))
+        assert [f.name for f in stack_files] == [f"stacks-rank0-pid{os.getpid()}.txt"]
+        client.send_heartbeat()
+        wait_for(lambda: signal.SIGKILL in sent, what="dump + kill")
+        [block] = [r.getMessage() for r in caplog.records if "stacks of hung rank 0" in r.getMessage()]
+        assert "(most recent call first)" in block and "in wait_for" in block  # this test, waiting
+        assert not stack_files[0].exists()  # reported, then removed
+        client.shutdown_workload_monitoring()
+    finally:
+        monitor.close()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=30)], indirect=True)
+def test_a_rank_leaving_cleanly_leaves_no_stack_file(monitor, tmp_path):
+    client = monitor.client()
+    assert list(tmp_path.glob("stacks-*.txt"))
+    client.shutdown_workload_monitoring()
+    wait_for(lambda: not list(tmp_path.glob("stacks-*.txt")), what="stack file removed")

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from typing import Callable, Dict, Iterator, Optional
+from typing import IO, Callable, Dict, Iterator, Optional
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
@@ -56,6 +56,8 @@ class RankMonitorClient:
         """Timeouts learned by calculate_and_set_timeouts(), merged across cycles (saved in state)."""
         self.effective_timeouts: Optional[Timeouts] = None
         """What the monitor enforces for this rank, after the last update."""
+        self._dump_signal: Optional[signal.Signals] = None
+        self._dump_file: Optional[IO[str]] = None
 
     @property
     def is_active(self) -> bool:
@@ -95,10 +97,23 @@ class RankMonitorClient:
         self.effective_timeouts = Timeouts.from_json(reply["timeouts"], source="monitor timeouts")
         self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
         self._observer.on_start(self._clock())
-        faulthandler.register(signal.Signals[cfg["stack_dump_signal"]], file=sys.stderr, all_threads=True)
+        self._register_stack_dump(signal.Signals[cfg["stack_dump_signal"]], reply.get("stack_file"))
         if self.calculated != Timeouts():
             self._push_timeouts()
         return True
+
+    def _register_stack_dump(self, sig: signal.Signals, path: Optional[str]) -> None:
+        """faulthandler dumps every thread's stack on `sig`: into the file the monitor reads and
+        prints as one block after the kill (several ranks dumping into one shared stderr at the
+        same moment would interleave), or into stderr where the monitor named no file."""
+        self._dump_signal = sig
+        beside_socket = isinstance(path, str) and os.path.dirname(path) == os.path.dirname(self._path)
+        if beside_socket:  # the monitor's private directory, nowhere else
+            try:
+                self._dump_file = open(path, "w")
+            except OSError as e:
+                logger.warning("stack dumps go to stderr: cannot open %s: %s", path, e)
+        faulthandler.register(sig, file=self._dump_file or sys.stderr, all_threads=True)
 
     def shutdown_workload_monitoring(self) -> None:
         """Tell the monitor this rank is leaving on purpose (no hang), then disconnect."""
@@ -108,6 +123,10 @@ class RankMonitorClient:
             self._sock.sendall(encode("bye"))
         self._sock.close()
         self._sock = None
+        if self._dump_file is not None:  # the monitor removes the file: later dumps go to stderr
+            faulthandler.register(self._dump_signal, file=sys.stderr, all_threads=True)
+            self._dump_file.close()
+            self._dump_file = None
 
     # ---- hot path --------------------------------------------------------------
     def send_heartbeat(self) -> None:

@@ -3,11 +3,12 @@
 It outlives restart cycles (started once by ft_launcher) so calculated timeouts and the
 per-cycle progress record survive the ranks. Ranks talk to it over a Unix socket
 (nvrx_core.ft.protocol). It sleeps until the earliest deadline of any rank; when one
-expires it asks the rank to dump all thread stacks (faulthandler on stack_dump_signal),
-waits stack_dump_grace (longer while the signal is still pending: a rank that the scheduler
-has not run yet has not written its stacks), sends rank_termination_signal, and escalates
-to SIGKILL if the rank is still alive after termination_grace. The launcher then sees a failed worker and
-restarts the group. Timing never blocks serving: pending kills are scheduled actions.
+expires it asks the rank to dump all thread stacks (faulthandler on stack_dump_signal, into
+a per-rank file the monitor then prints as one block), waits stack_dump_grace (longer while
+the signal is still pending: a rank the scheduler has not run yet has not written its
+stacks), sends rank_termination_signal, and escalates to SIGKILL if the rank is still alive
+after termination_grace. The launcher then sees a failed worker and restarts the group.
+Timing never blocks serving: pending kills are scheduled actions.
 
 Imports stdlib only (plus nvrx_core config parsing): it must start fast and never touch torch.
 """
@@ -197,7 +198,27 @@ class NodeMonitor:
         w = conn.watch
         if w is not None and not clean and not w.expired:
             logger.info("rank %d (pid %d) disconnected without saying bye", w.rank, w.pid)
+        if w is not None and not w.expired:  # an expired rank's stacks are reported, then removed
+            _remove(self._stack_file(w))
         conn.watch = None
+
+    def _stack_file(self, w: RankWatch) -> str:
+        """Where the rank's faulthandler writes (the client opens it): one file per rank, so the
+        stacks of ranks dumped at the same moment are not interleaved in one output stream."""
+        directory = os.path.dirname(self._listener.getsockname()) or "."
+        return os.path.join(directory, f"stacks-rank{w.rank}-pid{w.pid}.txt")
+
+    def _report_stacks(self, w: RankWatch) -> None:
+        """Log the rank's dump as one block, then remove the file."""
+        path = self._stack_file(w)
+        try:
+            with open(path, errors="replace") as f:
+                dump = f.read(MAX_STACK_DUMP_CHARS)
+        except OSError:
+            return
+        _remove(path)
+        if dump.strip():
+            logger.error("stacks of hung rank %d (pid %d):\n%s", w.rank, w.pid, dump.rstrip())
 
     def _reply(self, conn: _Conn, data: bytes) -> None:
         try:
@@ -270,7 +291,8 @@ class NodeMonitor:
         )
         conn.watch = w
         self._cycle_watches.append(w)
-        self._reply(conn, encode("init_ok", config=self.cfg.to_json(), timeouts=w.timeouts.to_json()))
+        self._reply(conn, encode("init_ok", config=self.cfg.to_json(), timeouts=w.timeouts.to_json(),
+                                 stack_file=self._stack_file(w)))
 
     def cycle_stats(self) -> dict:
         """Progress made by the ranks of the current cycle (the launcher's no-progress check)."""
@@ -333,8 +355,9 @@ class NodeMonitor:
         if now - sent < DUMP_WAIT_LIMIT and signal_pending(w.pid, self.cfg.stack_dump_signal):
             self._schedule(now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
         elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
-            self._schedule(now + self.cfg.stack_dump_grace, lambda: self._terminate(w))
+            self._schedule(now + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, False))
         else:
+            self._report_stacks(w)
             self._terminate(w)
 
     def _terminate(self, w: RankWatch) -> None:
@@ -350,6 +373,16 @@ class NodeMonitor:
         if self._signal(w, signal.SIGKILL):
             logger.error("rank %d (pid %d) survived %s; sent SIGKILL", w.rank, w.pid,
                          self.cfg.rank_termination_signal.name)
+
+
+MAX_STACK_DUMP_CHARS = 1 << 20
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ MAX_MESSAGE_BYTES. JSON, never pickle: the socket is a trust boundary, and a gar
 hostile line must cost the monitor nothing but a log line.
 
 Rank -> monitor (fire and forget, except `init`):
-  init        {rank, local_rank, pid, cycle}            -> reply init_ok {config, timeouts}
+  init        {rank, local_rank, pid, cycle}            -> reply init_ok {config, timeouts, stack_file}
   hb          heartbeat
   ss / se     section start / end {name}
   sea         end all open sections
