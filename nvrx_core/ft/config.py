@@ -103,7 +103,9 @@ class FTConfig:
     rank_termination_signal: signal.Signals = signal.SIGKILL
     """Sent to a hung rank after its stacks were dumped."""
     stack_dump_signal: signal.Signals = signal.SIGUSR2
-    """The rank's faulthandler dumps all thread stacks to its stderr on this signal."""
+    """The rank's faulthandler dumps all thread stacks on this signal, into a per-rank file in the
+    monitor's private directory while the rank is monitored (the monitor prints it before the
+    kill), into stderr otherwise."""
     stack_dump_grace: float = 0.2
     """Seconds between the stack-dump signal and the termination signal; longer (up to 5 s) while
     the rank has not taken the dump signal yet (a loaded node), so the dump is not lost."""

@@ -30,8 +30,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.protocol import LineBuffer, ProtocolError, encode
-from nvrx_core.proc import DUMP_WAIT_LIMIT, signal_pending
 from nvrx_core.ft.timeouts import Timeouts
+from nvrx_core.proc import DUMP_WAIT_LIMIT, signal_pending
 
 logger = logging.getLogger("nvrx.ft.monitor")
 
