@@ -46,6 +46,7 @@ def test_config_cli_spellings_and_round_trip():
     ("stack_dump_signal", "SIGKILL", "must be a signal a process can handle"),
     ("log_level", "LOUD", "log_level"),
     ("num_warmup_iterations", -1, "num_warmup_iterations"),
+    ("min_calculated_timeout", -1, "min_calculated_timeout=-1"),
 ])
 def test_config_rejects_bad_values_naming_the_field(field, value, needle):
     with pytest.raises(ConfigError) as err:
@@ -132,6 +133,8 @@ def test_observer_skips_warmup_and_tracks_maxima():
     assert seen.sections == {"step": 2.0, "ckpt": None}
     assert seen.out_of_section == 4.0  # 31 -> 35; the 29 -> 30 gap was warm-up
     assert scale(seen, 3).heartbeat == 6.0
+    floored = scale(seen, 3, floor=7.0)  # a floor lifts the short ones, keeps the long ones, leaves None
+    assert (floored.heartbeat, floored.out_of_section, floored.sections) == (7.0, 12.0, {"step": 7.0, "ckpt": None})
 
 
 def test_timeouts_merge_and_override():

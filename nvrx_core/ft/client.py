@@ -52,6 +52,7 @@ class RankMonitorClient:
         self._section_msgs: Dict[str, tuple] = {}
         self._section_names: tuple = ()
         self._safety_factor = 5.0
+        self._min_timeout = 0.0
         self.calculated = Timeouts()
         """Timeouts learned by calculate_and_set_timeouts(), merged across cycles (saved in state)."""
         self.effective_timeouts: Optional[Timeouts] = None
@@ -93,6 +94,7 @@ class RankMonitorClient:
         sock.settimeout(None)
         cfg = reply["config"]
         self._safety_factor = float(cfg["safety_factor"])
+        self._min_timeout = float(cfg.get("min_calculated_timeout", 0.0))
         self._section_names = tuple(sorted(cfg["rank_section_timeouts"]))
         self.effective_timeouts = Timeouts.from_json(reply["timeouts"], source="monitor timeouts")
         self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
@@ -170,7 +172,8 @@ class RankMonitorClient:
 
     # ---- timeouts --------------------------------------------------------------
     def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False) -> bool:
-        """Collective: timeouts = safety_factor x the longest interval seen on any rank.
+        """Collective: timeouts = safety_factor x the longest interval seen on any rank
+        (at least min_calculated_timeout).
 
         Every rank must call it (it all-reduces). Values are merged with earlier calculated
         ones (max), pushed to the monitor, and kept in state_dict(). Returns False when
@@ -192,7 +195,7 @@ class RankMonitorClient:
             out_of_section=unpack(reduced[2]),
             sections={n: unpack(v) for n, v in zip(self._section_names, reduced[3:-1])},
         )
-        self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor))
+        self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor, self._min_timeout))
         self._push_timeouts()
         return True
 

@@ -100,6 +100,9 @@ class FTConfig:
     """Seconds a rank may spend with no section open (None: not enforced)."""
     safety_factor: float = 5.0
     """calculate_and_set_timeouts() sets timeout = safety_factor x the longest interval observed."""
+    min_calculated_timeout: float = 2.0
+    """No calculated timeout is shorter than this: 5 x a 1 ms gap between two sections would
+    otherwise kill a rank the scheduler paused for a few milliseconds on a loaded node."""
     rank_termination_signal: signal.Signals = signal.SIGKILL
     """Sent to a hung rank after its stacks were dumped."""
     stack_dump_signal: signal.Signals = signal.SIGUSR2
@@ -142,7 +145,7 @@ class FTConfig:
             self.stack_dump_signal not in (signal.SIGKILL, signal.SIGSTOP),
             "stack_dump_signal", self.stack_dump_signal.name, "must be a signal a process can handle",
         )
-        for name in ("stack_dump_grace", "termination_grace"):
+        for name in ("stack_dump_grace", "termination_grace", "min_calculated_timeout"):
             value = float(getattr(self, name))
             check(math.isfinite(value) and value >= 0, name, value, "must be >= 0 seconds")
             setattr(self, name, value)

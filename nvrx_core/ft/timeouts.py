@@ -163,8 +163,8 @@ class IntervalObserver:
         )
 
 
-def scale(observed: Timeouts, factor: float) -> Timeouts:
-    mul = lambda v: None if v is None else v * factor  # noqa: E731
+def scale(observed: Timeouts, factor: float, floor: float = 0.0) -> Timeouts:
+    mul = lambda v: None if v is None else max(v * factor, floor)  # noqa: E731
     return Timeouts(
         initial_heartbeat=mul(observed.initial_heartbeat),
         heartbeat=mul(observed.heartbeat),
