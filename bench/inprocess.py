@@ -20,12 +20,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from _process import run_group
 
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -157,18 +158,7 @@ def run_once(name, peer_python, limit=40.0):
     env["NVRX_EVENTS_FILE"] = os.path.join(workdir, "events.jsonl")
     log_path = os.path.join(workdir, "launcher.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(name, peer_python, workdir), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=REPO)
-        try:
-            code = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        code = run_group(command(name, peer_python, workdir), log, env, limit, cwd=REPO)
     records = []
     if os.path.exists(os.path.join(workdir, "timeline.jsonl")):
         with open(os.path.join(workdir, "timeline.jsonl")) as f:

@@ -13,11 +13,11 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
+
+from _process import run_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_toy_job.py")
@@ -41,19 +41,8 @@ def run_once(name: str, fault: str, peer_python: str, limit: float) -> dict:
     cmd = launcher_command(name, peer_python) + ["--fault", fault, "--workdir", workdir]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("NVRX_EVENTS_FILE", None)
-    log = open(os.path.join(workdir, "launcher.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        code = proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        code = None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-        log.close()
+    with open(os.path.join(workdir, "launcher.log"), "w") as log:
+        code = run_group(cmd, log, env, limit)
     records = []
     try:
         with open(os.path.join(workdir, "timeline.jsonl")) as f:
