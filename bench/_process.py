@@ -3,14 +3,16 @@
 import os
 import signal
 import subprocess
-from typing import IO, List, Optional
+from typing import IO, List, Optional, Set
 
 
 def run_group(cmd: List[str], log: IO, env: dict, limit: float, cwd: Optional[str] = None) -> Optional[int]:
     """Run `cmd` with its output in `log`; its exit code, or None if it ran past `limit` seconds.
 
-    The whole process group is killed afterwards either way: a launcher's workers, its monitor
-    or a hung rank must not outlive the run and skew the next one.
+    Everything it started is killed afterwards either way: a launcher's workers, its monitor
+    or a hung rank must not outlive the run and skew the next one. torchrun starts workers
+    in sessions of their own, so killing the process group is not enough: descendants are
+    collected (while the tree still exists) and killed one by one.
     """
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd)
     try:
@@ -18,8 +20,36 @@ def run_group(cmd: List[str], log: IO, env: dict, limit: float, cwd: Optional[st
     except subprocess.TimeoutExpired:
         return None
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        leftovers = descendants(proc.pid)
+        _quietly(os.killpg, proc.pid, signal.SIGKILL)
+        for pid in leftovers:
+            _quietly(os.kill, pid, signal.SIGKILL)
         proc.wait()
+
+
+def _quietly(kill, pid: int, sig: int) -> None:
+    try:
+        kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def descendants(root: int) -> Set[int]:
+    """Every live process below `root` (Linux /proc)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = set(), [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
