@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +24,7 @@ def run_launcher(args: List[str], timeout: float = 180, env: Optional[dict] = No
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _dump_workers(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         raise AssertionError(f"ft_launcher did not finish within {timeout} s; output:\n{out[-5000:]}")
@@ -32,6 +34,23 @@ def run_launcher(args: List[str], timeout: float = 180, env: Optional[dict] = No
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _dump_workers(launcher_pid: int) -> None:
+    """Before killing an overrun job: ask its workers' faulthandler (SIGUSR2) for their stacks,
+    so the failure shows where they were. Only the workers: the launcher and its monitor have
+    no handler for it."""
+    try:
+        children = subprocess.run(["pgrep", "-g", str(launcher_pid), "-f", "forkserver"], capture_output=True,
+                                  text=True).stdout.split()
+    except OSError:  # no pgrep: no dump
+        return
+    for pid in children:
+        try:
+            os.kill(int(pid), signal.SIGUSR2)
+        except (ProcessLookupError, ValueError):
+            pass
+    time.sleep(2.0)  # a failure path only: time for the dumps to reach the pipe
 
 
 def kinds(events: List[dict], kind: str) -> List[dict]:

@@ -19,6 +19,13 @@ from typing import List, Sequence, Tuple
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
 
+_KEPT_UNTIL_EXIT: list = []
+"""The finished script's globals (its DDP model, optimizer, process groups). Freed in the main
+thread right after the last collective, a DDP reducer's destructor can wait for a gloo worker
+thread that waits for the GIL the destructor holds: both wait forever, and the agent never
+collects the worker's result. The worker process ends with os._exit (multiprocessing), so
+what is kept here is never destroyed at all."""
+
 
 def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
     """Start the fork server now, so its imports overlap with rendezvous."""
@@ -51,12 +58,13 @@ def run_target(kind: str, target: str, *argv: str) -> None:
         if kind == "module":
             sys.argv = [target, *argv]
             sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            _KEPT_UNTIL_EXIT.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
         else:
             sys.argv = [target, *argv]
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+            _KEPT_UNTIL_EXIT.append(runpy.run_path(target, run_name="__main__"))
     except SystemExit as e:
+        _KEPT_UNTIL_EXIT.append(e)  # its traceback holds the script's frames and globals
         # sys.exit(0) is success; torch's function entrypoint path expects a plain return.
         if e.code not in (None, 0):
             raise
