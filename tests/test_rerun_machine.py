@@ -4,8 +4,6 @@ Cross-process resume and two-rank runs are in test_rerun_resume.py / test_rerun_
 """
 
 import io
-import statistics
-import time
 
 import pytest
 import torch
@@ -248,43 +246,33 @@ def test_disabled_mode_still_guards_fatal_checks_like_megatron():
         loop.step()
 
 
-def test_disabled_mode_costs_nothing_measurable():
-    """No snapshots, no microbatch buffering, no collectives; the protocol's per-step cost is far
-    below a small model's step, and with the NaN check it asks for still under 2% of it."""
+def test_disabled_mode_does_no_extra_work():
+    """Disabled: one forward-backward per step, no state captured, the data iterator untouched
+    (nothing buffered for a replay), nothing to exit for. What it costs per step is measured
+    next to a bare loop in bench/rerun.py, not here."""
     captures = []
     machine = RerunStateMachine(
         RerunConfig(rerun_mode="disabled"), device_identity=ONE, events=EventLog(None),
         state_adapters=[CallbackStateAdapter(lambda: captures.append(1), lambda s: None)],
     )
-    data = iter(batches())  # a plain iterator is fine: nothing is replayed
-    loss = torch.tensor(0.5)
 
-    def protocol(n, check):
-        start = time.perf_counter()
-        for _ in range(n):
-            while machine.should_run_forward_backward(data):
-                if check:
-                    machine.validate_loss(loss)
-            machine.should_checkpoint_and_exit()
-        return (time.perf_counter() - start) / n
+    class CountingIterator:
+        reads = 0
 
-    loop = Loop(width=128, hidden=512)
-    inputs = torch.randn(64, 128)
+        def __iter__(self):
+            return self
 
-    def bare_steps(n):
-        start = time.perf_counter()
-        for _ in range(n):
-            loop.optimizer.zero_grad()
-            loop.model(inputs).pow(2).mean().backward()
-            loop.optimizer.step()
-        return (time.perf_counter() - start) / n
+        def __next__(self):
+            self.reads += 1
+            return torch.zeros(4)
 
-    step = statistics.median(bare_steps(10) for _ in range(7))
-    bare_protocol = statistics.median(protocol(200, check=False) for _ in range(5))
-    with_check = statistics.median(protocol(200, check=True) for _ in range(5))
-    assert captures == [] and machine.current_iteration == 2000
-    assert bare_protocol < 0.005 * step, f"protocol {bare_protocol * 1e6:.1f} us/step vs step {step * 1e6:.1f} us"
-    assert with_check < 0.02 * step, f"protocol+NaN check {with_check * 1e6:.1f} us/step vs step {step * 1e6:.1f} us"
+    data, runs = CountingIterator(), 0
+    for _ in range(100):
+        while machine.should_run_forward_backward(data):
+            runs += 1
+            machine.validate_loss(torch.tensor(0.5))
+        assert machine.should_checkpoint_and_exit() == (False, False, ExitCode.SUCCESS)
+    assert (runs, data.reads, captures, machine.current_iteration) == (100, 0, [], 100)
 
 
 class SyncCounter(torch.Tensor):
