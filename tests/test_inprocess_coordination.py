@@ -4,6 +4,7 @@ A real TCPStore hosted by the test; each "rank" is a Coordinator with its own cl
 driven from threads. The monitor process is tested around a real child process.
 """
 
+import datetime
 import os
 import signal
 import subprocess
@@ -291,3 +292,20 @@ def test_clear_frames_frees_what_chained_errors_kept_alive():
     _clear_frames(error)
     gc.collect()
     assert refs[0]() is None
+
+
+@pytest.mark.parametrize("given, expected", [(None, 1.5), (datetime.timedelta(seconds=40), 40.0)])
+def test_gloo_group_gets_the_wrappers_timeout_unless_told_otherwise(store, given, expected):
+    """A receive gloo posted on an already-aborted connection never fails: the group's timeout bounds it."""
+    import torch
+
+    from nvrx_core.inprocess.state import RestartState
+
+    state = RestartState(iteration=0, rank=0, world_size=1, initial_rank=0, initial_world_size=1, local_rank=0,
+                         store=dist.PrefixStore(f"t{expected}", store), _gloo_timeout=1.5)
+    state.init_process_group("gloo", timeout=given)
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        assert backend.options._timeout.total_seconds() == expected
+    finally:
+        dist.destroy_process_group()

@@ -36,10 +36,20 @@ class RestartState:
     """Initial ranks no longer in the job."""
     _atomic: Any = dataclasses.field(default=None, repr=False, compare=False)
     _group_created: Any = dataclasses.field(default=None, repr=False, compare=False)
+    _gloo_timeout: Optional[float] = dataclasses.field(default=None, repr=False, compare=False)
 
     def init_process_group(self, backend: str = "gloo", timeout: Optional[datetime.timedelta] = None,
                            **kwargs) -> None:
-        """torch.distributed.init_process_group on this iteration's store, rank and world size."""
+        """torch.distributed.init_process_group on this iteration's store, rank and world size.
+
+        A gloo group gets a timeout between the Wrapper's soft and hard timeouts unless one is
+        given: a receive that gloo posted on a connection the abort had already closed never
+        fails (torch 2.13), so without it a rank that reached a collective late stays blocked
+        until the hard timeout kills it. A collective longer than soft_timeout is interrupted
+        anyway, and the soft timeout, coming first, still names the rank that stopped.
+        """
+        if timeout is None and self._gloo_timeout is not None and "gloo" in backend and "nccl" not in backend:
+            timeout = datetime.timedelta(seconds=self._gloo_timeout)
         if timeout is not None:
             kwargs["timeout"] = timeout
         dist.init_process_group(backend, store=self.store, rank=self.rank, world_size=self.world_size, **kwargs)

@@ -291,6 +291,7 @@ class _Call:
             store=store, store_prefix=prefix, previous_interruptions=plan.previous,
             terminated_ranks=frozenset(plan.causes), _atomic=self.interrupter.atomic,
             _group_created=self.abort.hold_current,
+            _gloo_timeout=(self.config.soft_timeout + self.config.hard_timeout) / 2,
         )
 
     def _wait(self, plan: Plan, deadline: Optional[float]):
