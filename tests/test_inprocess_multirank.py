@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -19,6 +20,9 @@ import torch.distributed as dist
 
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from inprocess_ddp import resume  # noqa: E402  (the example's own restore, tested here on 4 ranks)
 
 WORLD = 4
 CTX = multiprocessing.get_context("forkserver")
@@ -76,7 +80,7 @@ def ddp_job(params):
         state.init_process_group("gloo")
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        step = _restore(model, snapshots, state)
+        step = resume(model, snapshots, state)  # the example's: newest common step, from a peer
         ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         while step < STEPS:
@@ -93,25 +97,6 @@ def ddp_job(params):
 
     weights = train()
     return {"weights": weights, "iterations": iterations}
-
-
-def _restore(model, snapshots, state) -> int:
-    """Agree on the newest step every rank has, and take it from the lowest rank that has it."""
-    if state.iteration == 0:
-        return 0
-    none = STEPS + 1
-    step = torch.tensor([max(snapshots) if snapshots else none])
-    dist.all_reduce(step, op=dist.ReduceOp.MIN)  # a reserve has no snapshot: it takes the others'
-    agreed = int(step)
-    if agreed == none:
-        return 0
-    source = torch.tensor([state.rank if agreed in snapshots else state.world_size])
-    dist.all_reduce(source, op=dist.ReduceOp.MIN)
-    if agreed in snapshots:
-        model.load_state_dict(snapshots[agreed])
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=int(source))
-    return agreed
 
 
 def loop_job(params):
