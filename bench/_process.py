@@ -3,7 +3,9 @@
 import os
 import signal
 import subprocess
-from typing import IO, List, Optional, Set
+from typing import IO, List, Optional
+
+from nvrx_core.ft.process_groups import descendants
 
 
 def run_group(cmd: List[str], log: IO, env: dict, limit: float, cwd: Optional[str] = None) -> Optional[int]:
@@ -32,24 +34,3 @@ def _quietly(kill, pid: int, sig: int) -> None:
         kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-def descendants(root: int) -> Set[int]:
-    """Every live process below `root` (Linux /proc)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, stack = set(), [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import List, Optional
 
+from nvrx_core.ft.process_groups import descendants
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
@@ -25,31 +27,40 @@ def run_launcher(args: List[str], timeout: float = 180, env: Optional[dict] = No
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _dump_workers(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"ft_launcher did not finish within {timeout} s; output:\n{out[-5000:]}")
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # any straggling worker or monitor
-        except ProcessLookupError:
-            pass
+        kill_tree(proc.pid)  # any straggling worker or monitor
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL `root`'s process group and every descendant (workers run in sessions of their own)."""
+    for pid in descendants(root):
+        _quietly(os.kill, pid, signal.SIGKILL)
+    _quietly(os.killpg, root, signal.SIGKILL)
+
+
+def _quietly(kill, pid: int, sig: int) -> None:
+    try:
+        kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _dump_workers(launcher_pid: int) -> None:
     """Before killing an overrun job: ask its workers' faulthandler (SIGUSR2) for their stacks,
-    so the failure shows where they were. Only the workers: the launcher and its monitor have
-    no handler for it."""
+    so the failure shows where they were. Only the workers (forked by the warm-start fork
+    server): the launcher and its monitor have no handler for it."""
     try:
-        children = subprocess.run(["pgrep", "-g", str(launcher_pid), "-f", "forkserver"], capture_output=True,
-                                  text=True).stdout.split()
+        servers = subprocess.run(["pgrep", "-P", str(launcher_pid), "-f", "forkserver"], capture_output=True,
+                                 text=True).stdout.split()
     except OSError:  # no pgrep: no dump
         return
-    for pid in children:
-        try:
-            os.kill(int(pid), signal.SIGUSR2)
-        except (ProcessLookupError, ValueError):
-            pass
+    for server in servers:
+        for pid in descendants(int(server)):
+            _quietly(os.kill, pid, signal.SIGUSR2)
     time.sleep(2.0)  # a failure path only: time for the dumps to reach the pipe
 
 

@@ -16,7 +16,7 @@ subclass only hooks into its extension points:
 import dataclasses
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle
+from nvrx_core.ft.process_groups import kill_process_groups
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -102,6 +103,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         self._best_iteration: Optional[int] = None
         self._no_progress_cycles = 0
         self.last_failures: Dict[int, int] = {}
+        self._worker_groups: Set[int] = set()
 
     # ---- start -----------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -143,6 +145,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         self.monitor.new_cycle(self.attempt)
         self._failure_reported = False
         pids = super()._start_workers(worker_group)
+        self._worker_groups = set(pids.values())  # each worker leads its own process group
         self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
                          pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
         return pids
@@ -193,3 +196,9 @@ class FaultTolerantAgent(LocalElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:
         self._shutdown(timeout=self.settings.workers_stop_timeout)
+
+    def _shutdown(self, *args, **kwargs) -> None:
+        """Stop the workers (torch), then everything they started (see process_groups)."""
+        super()._shutdown(*args, **kwargs)
+        kill_process_groups(self._worker_groups)
+        self._worker_groups = set()

@@ -44,16 +44,37 @@ def split_python_command(cmd_args: List[str]) -> Tuple[str, List[str]]:
     return "script", args
 
 
-def run_target(kind: str, target: str, *argv: str) -> None:
-    """Entry point of a warm-started worker: behave like `python -u [-m] target argv`."""
-    # A fresh interpreter has default signal dispositions; a forked one inherits the
-    # launcher's (torch's agent turns SIGTERM into an exception, which makes a worker
-    # blocked in a collective slow to stop).
+def become_like_a_fresh_interpreter() -> None:
+    """Undo what being a fork server's child changed, so user code sees what `python train.py`
+    under torchrun would show it.
+
+    - Its own session and process group, as torchrun gives each worker: whatever the script
+      starts (DataLoader workers, its own fork servers) is in the worker's group, which the
+      agent kills as a whole when the cycle ends, even after the worker itself died.
+    - The platform's default start method, unset: a forkserver child inherits "forkserver",
+      so a DataLoader with workers would re-import a script without a main guard in a new
+      fork server (multiprocessing's "bootstrapping phase" error), its workers would watch the
+      wrong parent and outlive a killed rank, and `set_start_method(...)` would raise.
+    - A main process's name, default signal dispositions (a forked child inherits the
+      launcher's: torch's agent turns SIGTERM into an exception, which makes a worker blocked
+      in a collective slow to stop) and `-u` streams.
+    """
+    try:
+        os.setsid()
+    except PermissionError:  # already a session leader
+        pass
+    multiprocessing.set_start_method(None, force=True)
+    multiprocessing.current_process().name = "MainProcess"
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
+
+
+def run_target(kind: str, target: str, *argv: str) -> None:
+    """Entry point of a warm-started worker: behave like `python -u [-m] target argv`."""
+    become_like_a_fresh_interpreter()
     try:
         if kind == "module":
             sys.argv = [target, *argv]
