@@ -6,6 +6,12 @@ sets for its workers). Each record carries wall time, rank, node and restart cyc
 
 Appends use O_APPEND and a single write() per line, so lines from concurrent processes do
 not interleave. Readers skip lines that do not parse (a writer killed mid-line).
+
+Observability never disables safety: the launcher, the node monitor and the in-process
+monitor all emit events on the paths that detect and recover from faults, so a file that
+cannot be written (disk full, unwritable path, /dev/full) must not raise. Such an EventLog
+warns once, then logs each event it could not write (logger "nvrx.events", INFO) and keeps
+trying the file, so writes resume when the disk has room again.
 """
 
 import json
@@ -66,8 +72,12 @@ class EventLog:
         self.cycle = cycle
         self.source = source
         self._clock = clock
+        self._failing = False  # the last write failed: warned already, events go to the log
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            except OSError as e:
+                self._write_failed(e)
 
     @classmethod
     def from_env(cls, source: Optional[str] = None) -> "EventLog":
@@ -90,15 +100,37 @@ class EventLog:
         if self.source:
             record["source"] = self.source
         record.update(fields)
-        line = json.dumps(record, default=str) + "\n"
+        try:
+            line = json.dumps(record, default=str) + "\n"
+        except (TypeError, ValueError) as e:  # e.g. a circular field: the event still counts
+            line = json.dumps({k: repr(v) for k, v in record.items()}) + "\n"
+            logger.warning("event %s has a field JSON cannot encode (%s); written with repr()", kind, e)
         logger.debug("event %s", line.rstrip())
         if self.path:
+            self._append(line)
+        return record
+
+    def _append(self, line: str) -> None:
+        try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
-        return record
+        except OSError as e:
+            self._write_failed(e)
+            logger.info("event (not written to %s) %s", self.path, line.rstrip())
+            return
+        if self._failing:
+            self._failing = False
+            logger.warning("events file %s is writable again", self.path)
+
+    def _write_failed(self, error: OSError) -> None:
+        """Warn once per outage; the caller goes on (see the module docstring)."""
+        if not self._failing:
+            self._failing = True
+            logger.warning("cannot write the events file %s (%s): events go to the log instead "
+                           "(logger nvrx.events); fault detection and recovery are not affected", self.path, error)
 
 
 def read_events(path: str) -> list:
