@@ -4,10 +4,19 @@ Both monitors (ft_launcher's node monitor, the in-process Wrapper's monitor proc
 hung rank for a stack dump before killing it. On a loaded node the rank may not run for a
 while after the dump signal is sent; a termination signal sent meanwhile is taken first
 and the dump is lost. These let them wait for the rank to take the signal instead.
+
+ProcessHandle names a process by pidfd (Linux >= 5.3): a pid alone names whichever process
+holds the number now, and once a rank has exited and been reaped its number can go to an
+unrelated process, which a late SIGKILL would then hit. A pidfd always refers to the
+process it was opened for; signalling it after that process is gone does nothing.
 """
 
+import errno
+import os
+import select
+import signal
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 DUMP_WAIT_LIMIT = 5.0
 """Seconds a stack-dump signal may stay untaken before the rank is terminated anyway."""
@@ -52,3 +61,77 @@ def wait_until_taken(pid: int, sig: int, grace: float, limit: float,
     while signal_pending(pid, sig) and clock() - start < limit:
         sleep(0.02)
     sleep(min(grace, max(0.0, limit - (clock() - start))))
+
+
+class ProcessHandle:
+    """One process, held by pidfd, so a signal reaches that process or none at all.
+
+    Open it while the process is known to be the right one (a monitor: right after reading
+    the connecting peer's SO_PEERCRED pid). Where the kernel has no pidfds (ENOSYS, or a
+    seccomp filter says EPERM) the handle falls back to the bare pid; `by_pidfd` says which,
+    so a caller can be more careful with a bare pid (stop signalling it once the process
+    may have gone).
+    """
+
+    def __init__(self, pid: int, pidfd: Optional[int]):
+        self.pid = pid
+        self._pidfd = pidfd
+
+    @classmethod
+    def open(cls, pid: int) -> "ProcessHandle":
+        """A handle on `pid`; ProcessLookupError if there is no such process."""
+        if pid <= 0:
+            raise ProcessLookupError(f"no process can have pid {pid}")
+        try:
+            return cls(pid, os.pidfd_open(pid))
+        except ProcessLookupError:
+            raise
+        except (AttributeError, OSError) as e:  # no pidfd_open in this Python / kernel / sandbox
+            if isinstance(e, OSError) and e.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+                raise
+            if not alive(pid):
+                raise ProcessLookupError(f"no process {pid}") from None
+            return cls(pid, None)
+
+    @property
+    def by_pidfd(self) -> bool:
+        return self._pidfd is not None
+
+    def send_signal(self, sig: int) -> bool:
+        """Send `sig`; False if the process has exited (or the handle was closed)."""
+        if self._pidfd is None:
+            if self.pid <= 0:
+                return False
+            try:
+                os.kill(self.pid, sig)
+                return True
+            except ProcessLookupError:
+                return False
+        if self.exited():  # a zombie still "takes" a signal; it is gone all the same
+            return False
+        try:
+            signal.pidfd_send_signal(self._pidfd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def exited(self) -> bool:
+        """Whether the process has exited (a zombie counts as exited)."""
+        if self._pidfd is None:
+            return self.pid <= 0 or not alive(self.pid)
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def signal_pending(self, sig: int) -> bool:
+        """signal_pending() for this very process (False once it has exited)."""
+        return not self.exited() and signal_pending(self.pid, sig)
+
+    def close(self) -> None:
+        """Release the pidfd; the handle then signals nothing."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._pidfd, self.pid = None, -1
+
+    def __repr__(self) -> str:
+        return f"ProcessHandle(pid={self.pid}, pidfd={self._pidfd})"
