@@ -1,17 +1,19 @@
 """The few small collectives checkpointing needs, on CPU (gloo) or device (nccl) tensors.
 
+A view of nvrx_core.collectives (which picks the device from the group's backend) with
+checkpointing's conventions: an explicit group argument, None meaning a single process.
 All payloads are integers or JSON: nothing is unpickled from another rank.
 """
 
 import datetime
-import json
 from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 
+from nvrx_core import collectives as _coll
 
-USE_DEFAULT_GROUP = object()
+
+USE_DEFAULT_GROUP = _coll.WORLD_IF_INITIALIZED
 """Default for a `process_group` argument: the world group if torch.distributed is
 initialized, else no group (pass None explicitly to force single-process behaviour)."""
 
@@ -28,9 +30,7 @@ def group_rank_size(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
 
 def default_group() -> Optional[dist.ProcessGroup]:
     """The world group when torch.distributed is initialized, else None (single process)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    return _coll.resolve_group(_coll.WORLD_IF_INITIALIZED)
 
 
 def side_group(group: Optional[dist.ProcessGroup],
@@ -44,35 +44,11 @@ def side_group(group: Optional[dist.ProcessGroup],
                           timeout=timeout, use_local_synchronization=True)
 
 
-def _device(group: dist.ProcessGroup) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_reduce_max(values: Sequence[int], group: Optional[dist.ProcessGroup]) -> List[int]:
     """Element-wise max over ranks (min is max of negated values)."""
-    if group is None:
-        return list(values)
-    tensor = torch.tensor(list(values), dtype=torch.int64, device=_device(group))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return tensor.tolist()
+    return _coll.Collectives(group).all_reduce_max([int(v) for v in values])
 
 
 def all_gather_json(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
     """Every rank's JSON-serialisable `obj`, in rank order."""
-    if group is None:
-        return [obj]
-    device = _device(group)
-    payload = json.dumps(obj, sort_keys=True).encode()
-    _, world = group_rank_size(group)
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s.item()) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if payload:
-        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    return [json.loads(bytes(t[: int(s.item())].cpu().tolist())) for t, s in zip(gathered, sizes)]
+    return _coll.Collectives(group).all_gather_json(obj)

@@ -1,0 +1,200 @@
+"""The one collectives helper: small agreements between ranks, on the right device.
+
+Every part of the core needs a few tiny collectives (a max over ranks, every rank's JSON
+report, rank 0's decision). They used to decide the tensor device each in their own way;
+here it is decided once, from the process group's backend:
+
+- a backend that includes NCCL takes tensors on the current CUDA device;
+- gloo (and any other backend) takes CPU tensors, and that path never calls torch.cuda,
+  so a CPU-only run works where CUDA is absent or broken.
+
+With no process group (torch.distributed not initialised, or an explicit None) or a group
+of one rank, every collective is the identity and nothing is sent: code written for N ranks
+runs unchanged in a single process.
+
+Payloads cross ranks as raw bytes or JSON, never as pickles: unpickling bytes another
+process produced would run whatever code that process asked for.
+
+The torch functions are called through torch.distributed.distributed_c10d, not through
+the torch.distributed namespace: a user who wraps torch.distributed.all_reduce to time
+their own collectives (the straggler detector's wrap_attribute) must not also time ours.
+"""
+
+import json
+import struct
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+WORLD_IF_INITIALIZED = object()
+"""Default for a `group` argument: the world group when torch.distributed is initialised,
+else no group (a world of one). Pass None to force single-process behaviour."""
+
+_HEADER = struct.Struct("<Q")  # payload length in front of each padded buffer
+
+
+def is_distributed() -> bool:
+    """Whether torch.distributed is built in and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(group: Any = WORLD_IF_INITIALIZED) -> Optional[Any]:
+    """The group a collective runs on: WORLD_IF_INITIALIZED -> world group or None."""
+    if group is WORLD_IF_INITIALIZED:
+        return dist.group.WORLD if is_distributed() else None
+    return group
+
+
+def group_device(group: Optional[Any]) -> torch.device:
+    """The device a collective on `group` takes tensors on (see the module docstring)."""
+    if group is None:
+        return torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Collectives:
+    """Collectives over one process group (or none: a world of one).
+
+    `device` overrides the backend's choice (a caller who already holds tensors on a
+    device the backend accepts)."""
+
+    def __init__(self, group: Any = WORLD_IF_INITIALIZED, device: Optional[torch.device] = None):
+        self.group = resolve_group(group)
+        if self.group is None:
+            self.rank, self.world_size, self._root = 0, 1, 0
+        else:
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self._root = 0 if self.group is dist.group.WORLD else dist.get_global_rank(self.group, 0)
+        self.device = device if device is not None else group_device(self.group)
+
+    @property
+    def alone(self) -> bool:
+        """True when there is nobody to talk to: collectives return local copies."""
+        return self.world_size == 1
+
+    # ---- numbers -------------------------------------------------------------------
+    def all_reduce_max(self, values: Sequence[Any]) -> List[Any]:
+        """Element-wise max over ranks (a min is the max of negated values).
+
+        Integers (and bools) travel as int64, so large ids survive exactly; if any value
+        is a float, all travel as float64."""
+        values = list(values)
+        if self.alone or not values:
+            return values
+        floating = any(isinstance(v, float) for v in values)
+        tensor = torch.tensor(values, dtype=torch.float64 if floating else torch.int64, device=self.device)
+        _c10d.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor.tolist()
+
+    def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place max over ranks of a tensor already on self.device (e.g. a flag still
+        being computed on the GPU: reduced where it lives, no host sync here)."""
+        if not self.alone:
+            _c10d.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def broadcast_floats(self, values: Optional[Sequence[float]], length: int) -> List[float]:
+        """Group rank 0's `values` (exactly `length` floats) on every rank; others pass None."""
+        if self.alone:
+            return [float(v) for v in values]
+        if self.rank == 0:
+            if len(values) != length:
+                raise ValueError(f"broadcast_floats: {len(values)} values, expected {length}")
+            tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        else:
+            tensor = torch.zeros(length, dtype=torch.float64, device=self.device)
+        _c10d.broadcast(tensor, src=self._root, group=self.group)
+        return tensor.tolist()
+
+    # ---- bytes ---------------------------------------------------------------------
+    def _agreed_size(self, data: bytes, max_size: Optional[int]) -> int:
+        if max_size is None:
+            return int(self.all_reduce_max([len(data)])[0])
+        if len(data) > max_size:
+            raise ValueError(f"payload of {len(data)} bytes exceeds the agreed bound of {max_size}")
+        return int(max_size)
+
+    def _framed(self, data: bytes, size: int) -> torch.Tensor:
+        buffer = bytearray(_HEADER.size + size)
+        _HEADER.pack_into(buffer, 0, len(data))
+        buffer[_HEADER.size:_HEADER.size + len(data)] = data
+        return torch.frombuffer(buffer, dtype=torch.uint8).to(self.device)
+
+    @staticmethod
+    def _unframed(tensor: torch.Tensor) -> bytes:
+        raw = tensor.cpu().contiguous()
+        start = raw.storage_offset()
+        storage = bytes(raw.untyped_storage())[start:start + raw.numel()]
+        (length,) = _HEADER.unpack_from(storage, 0)
+        return storage[_HEADER.size:_HEADER.size + length]
+
+    def all_gather_bytes(self, data: bytes, max_size: Optional[int] = None) -> List[bytes]:
+        """Every rank's `data`, in group rank order, on every rank.
+
+        `max_size`: a bound every rank agreed on beforehand (saves one collective);
+        without it the ranks first agree on the longest payload."""
+        if self.alone:
+            return [bytes(data)]
+        mine = self._framed(data, self._agreed_size(data, max_size))
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)]
+        _c10d.all_gather(parts, mine, group=self.group)
+        return [self._unframed(p) for p in parts]
+
+    def gather_bytes(self, data: bytes, max_size: Optional[int] = None) -> Optional[List[bytes]]:
+        """Every rank's `data` in group rank order on group rank 0; None on the others."""
+        if self.alone:
+            return [bytes(data)]
+        mine = self._framed(data, self._agreed_size(data, max_size))
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        _c10d.gather(mine, parts, dst=self._root, group=self.group)
+        return None if parts is None else [self._unframed(p) for p in parts]
+
+    def broadcast_bytes(self, data: Optional[bytes]) -> bytes:
+        """Group rank 0's `data` on every rank (others pass None)."""
+        if self.alone:
+            return bytes(data)
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
+        _c10d.broadcast(size, src=self._root, group=self.group)
+        buffer = self._framed(data if self.rank == 0 else b"", int(size.item()))
+        _c10d.broadcast(buffer, src=self._root, group=self.group)
+        return self._unframed(buffer)
+
+    # ---- JSON ----------------------------------------------------------------------
+    def all_gather_json(self, obj: Any, max_size: Optional[int] = None) -> List[Any]:
+        """Every rank's JSON-serialisable `obj`, in group rank order, on every rank."""
+        return [json.loads(p) for p in self.all_gather_bytes(_dumps(obj), max_size)]
+
+    def gather_json(self, obj: Any, max_size: Optional[int] = None) -> Optional[List[Any]]:
+        """Every rank's `obj` on group rank 0; None on the others."""
+        parts = self.gather_bytes(_dumps(obj), max_size)
+        return None if parts is None else [json.loads(p) for p in parts]
+
+    def broadcast_json(self, obj: Any) -> Any:
+        """Group rank 0's `obj` on every rank (others pass anything, e.g. None)."""
+        return json.loads(self.broadcast_bytes(_dumps(obj) if self.rank == 0 else None))
+
+
+def _dumps(obj: Any) -> bytes:
+    # allow_nan: statistics may hold inf/nan, which Python's json reads back.
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def all_reduce_max(values: Sequence[Any], group: Any = WORLD_IF_INITIALIZED) -> List[Any]:
+    """Element-wise max of `values` over the ranks of `group`; a plain copy when
+    torch.distributed is not initialised or the group has one rank."""
+    return Collectives(group).all_reduce_max(values)
+
+
+def all_gather_json(obj: Any, group: Any = WORLD_IF_INITIALIZED) -> List[Any]:
+    """Every rank's JSON-serialisable `obj`, in rank order."""
+    return Collectives(group).all_gather_json(obj)
+
+
+def broadcast_json(obj: Any, group: Any = WORLD_IF_INITIALIZED) -> Any:
+    """Group rank 0's JSON-serialisable `obj` on every rank."""
+    return Collectives(group).broadcast_json(obj)

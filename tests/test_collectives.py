@@ -1,0 +1,138 @@
+"""nvrx_core.collectives on real gloo process groups (3 spawned ranks), and alone.
+
+The ranks replace torch.cuda.current_device with a function that raises: a CPU (gloo)
+path that touched CUDA would fail the test, not just waste time.
+"""
+
+import datetime
+import json
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nvrx_core import collectives
+from nvrx_core.collectives import Collectives, group_device, is_distributed
+
+BIG = 2 ** 62 + 1  # not representable as a float64: ints must travel as int64
+
+
+def _no_cuda(*args, **kwargs):
+    raise AssertionError("torch.cuda called on a gloo path")
+
+
+def _rank_main(rank, world, port, out_dir):
+    torch.cuda.current_device = _no_cuda
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        result = _exercise(rank, world)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exercise(rank, world):
+    coll = Collectives()  # the world group, found because torch.distributed is initialised
+    pair = dist.new_group([1, 2])  # group rank 0 of this subgroup is global rank 1
+    solo = dist.new_group([0])
+    r = {"distributed": is_distributed(), "rank": coll.rank, "world": coll.world_size, "device": str(coll.device)}
+    r["max_int"] = coll.all_reduce_max([rank, -rank, BIG if rank == 1 else 0])
+    r["max_float"] = coll.all_reduce_max([rank * 0.5, 1.0, -rank])
+    r["max_module"] = collectives.all_reduce_max([float(rank)])
+    r["gather_all"] = [b.decode() for b in coll.all_gather_bytes(b"x" * rank)]  # "", "x", "xx"
+    r["gather_all_bound"] = [b.decode() for b in coll.all_gather_bytes(b"r%d" % rank, max_size=8)]
+    mine = {"rank": rank, "nested": [1.5, float("inf")], "text": "é" * rank}
+    r["json_all"] = coll.all_gather_json(mine)
+    r["json_root"] = coll.gather_json(mine)
+    r["json_module"] = collectives.all_gather_json(rank)
+    r["bcast_bytes"] = coll.broadcast_bytes(b"from zero" if rank == 0 else None).decode()
+    r["bcast_json"] = coll.broadcast_json({"decision": [rank]} if rank == 0 else None)
+    r["bcast_floats"] = coll.broadcast_floats([1.25, 2.5] if rank == 0 else None, 2)
+    try:
+        coll.all_gather_bytes(b"too long for the bound", max_size=4)
+    except ValueError as e:
+        r["over_bound"] = str(e)
+    if rank in (1, 2):
+        sub = Collectives(pair)
+        r["sub"] = {"rank": sub.rank, "world": sub.world_size, "gather": sub.gather_json(rank),
+                    "bcast": sub.broadcast_json(f"from {rank}"), "max": sub.all_reduce_max([rank])}
+    if rank == 0:
+        alone = Collectives(solo)
+        r["solo"] = {"alone": alone.alone, "max": alone.all_reduce_max([7]), "gather": alone.gather_json("me")}
+    dist.barrier()
+    return r
+
+
+def _run_ranks(world, out_dir, deadline_s=120.0):
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(out_dir))) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + deadline_s
+    try:
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+        assert not [p for p in procs if p.is_alive()], f"ranks still running after {deadline_s} s"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    assert [p.exitcode for p in procs] == [0] * world
+    return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
+
+
+@pytest.mark.timeout(240)
+def test_collectives_on_three_gloo_ranks(tmp_path):
+    results = _run_ranks(3, tmp_path)
+    for rank, r in enumerate(results):
+        assert (r["distributed"], r["rank"], r["world"], r["device"]) == (True, rank, 3, "cpu")
+        assert r["max_int"] == [2, 0, BIG]
+        assert r["max_float"] == [1.0, 1.0, 0.0]
+        assert r["max_module"] == [2.0]
+        assert r["gather_all"] == ["", "x", "xx"]
+        assert r["gather_all_bound"] == ["r0", "r1", "r2"]
+        expected = [{"rank": k, "nested": [1.5, float("inf")], "text": "é" * k} for k in range(3)]
+        assert r["json_all"] == expected
+        assert r["json_root"] == (expected if rank == 0 else None)
+        assert r["json_module"] == [0, 1, 2]
+        assert r["bcast_bytes"] == "from zero"
+        assert r["bcast_json"] == {"decision": [0]}
+        assert r["bcast_floats"] == [1.25, 2.5]
+        assert "exceeds the agreed bound of 4" in r["over_bound"]
+    assert results[1]["sub"] == {"rank": 0, "world": 2, "gather": [1, 2], "bcast": "from 1", "max": [2]}
+    assert results[2]["sub"] == {"rank": 1, "world": 2, "gather": None, "bcast": "from 1", "max": [2]}
+    assert results[0]["solo"] == {"alone": True, "max": [7], "gather": ["me"]}
+
+
+def test_without_torch_distributed_every_collective_is_local(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", _no_cuda)
+    assert not is_distributed()
+    coll = Collectives()
+    assert (coll.group, coll.rank, coll.world_size, coll.alone, coll.device.type) == (None, 0, 1, True, "cpu")
+    values = [1.5, 2]
+    copy = collectives.all_reduce_max(values)
+    assert copy == values and copy is not values
+    assert coll.all_gather_bytes(b"abc") == [b"abc"] and coll.gather_bytes(b"") == [b""]
+    assert collectives.all_gather_json({"a": [1, None]}) == [{"a": [1, None]}]
+    assert coll.gather_json(3) == [3] and coll.broadcast_json("x") == "x"
+    assert collectives.broadcast_json([1]) == [1] and coll.broadcast_floats([1, 2], 2) == [1.0, 2.0]
+    assert Collectives(None).all_reduce_max([]) == []
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("gloo", "cpu"), ("mpi", "cpu"), ("nccl", "cuda:3"), ("cpu:gloo,cuda:nccl", "cuda:3")])
+def test_device_follows_the_backend(monkeypatch, backend, expected):
+    """NCCL cannot run on this CPU-only machine; the choice itself is checked here, the
+    gloo path end to end above (with torch.cuda made to raise)."""
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3 if "nccl" in backend else _no_cuda())
+    assert str(group_device(object())) == expected
+    assert str(group_device(None)) == "cpu"
