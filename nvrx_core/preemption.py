@@ -20,21 +20,21 @@ import dataclasses
 import logging
 import signal
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
-import torch
-import torch.distributed as dist
-
+from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, resolve_group
 from nvrx_core.config import build, check, load_yaml_section
 from nvrx_core.events import EventLog
 from nvrx_core.exit_codes import ExitCode
+from nvrx_core.signals import SignalClaim, SignalRegistry, default_registry
 
 logger = logging.getLogger("nvrx.preemption")
 
 PREEMPTION_AGREED = "preemption_agreed"
+OWNER = "preemption"
+WORKER_OWNER = "preemption (DataLoader worker policy)"
 WORKER_POLICIES = ("ignore", "default", "inherit")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
-_WORLD_IF_INITIALIZED = object()
 
 
 @dataclasses.dataclass
@@ -82,10 +82,10 @@ class WorkerSignalPolicy:
     then: Optional[Callable[[int], None]] = None
 
     def __call__(self, worker_id: int) -> None:
-        if self.policy != "inherit":
+        if self.policy != "inherit":  # a worker process: its registry holds no claims yet
             disposition = signal.SIG_IGN if self.policy == "ignore" else signal.SIG_DFL
             for number in self.signals:
-                signal.signal(number, disposition)
+                default_registry().claim(number, WORKER_OWNER, disposition, replace=True)
         if self.then is not None:
             self.then(worker_id)
 
@@ -94,13 +94,13 @@ class DistributedSignalHandler:
     """Records preemption signals on the main thread; agrees on them across ranks."""
 
     def __init__(self, config: Optional[PreemptionConfig] = None, *,
-                 process_group: Any = _WORLD_IF_INITIALIZED, events: Optional[EventLog] = None):
+                 process_group: Any = WORLD_IF_INITIALIZED, events: Optional[EventLog] = None,
+                 signals: Optional[SignalRegistry] = None):
         self.config = config or PreemptionConfig()
-        if process_group is _WORLD_IF_INITIALIZED:
-            process_group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        self._group = process_group
+        self._group = resolve_group(process_group)
         self._events = events if events is not None else EventLog.from_env("preemption")
-        self._previous: Dict[int, Any] = {}
+        self._signals = signals if signals is not None else default_registry()
+        self._claims: List[SignalClaim] = []
         self._installed = False
         self._agreed = False
         self.received: List[int] = []
@@ -116,14 +116,20 @@ class DistributedSignalHandler:
         return self._installed
 
     def install(self) -> "DistributedSignalHandler":
-        """Install the handlers; only on the main thread, where Python delivers signals."""
+        """Claim the signals (owner "preemption") from the process's signal registry; only
+        on the main thread, where Python delivers signals. A signal another part already
+        holds (e.g. the in-process Wrapper's SIGUSR1) is refused with SignalClaimError."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("DistributedSignalHandler.install() must be called on the main "
                                "thread: Python runs signal handlers only there")
         if self._installed:
             raise RuntimeError("DistributedSignalHandler is already installed")
-        for number in self.config.signal_numbers():
-            self._previous[number] = signal.signal(number, self._on_signal)
+        try:
+            for number in self.config.signal_numbers():
+                self._claims.append(self._signals.claim(number, OWNER, self._on_signal))
+        except BaseException:
+            self.release_claims()
+            raise
         self._installed = True
         return self
 
@@ -131,10 +137,12 @@ class DistributedSignalHandler:
         """Restore the previous handlers. Safe to call more than once."""
         if not self._installed:
             return
-        for number, previous in self._previous.items():
-            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+        self.release_claims()
         self._installed = False
+
+    def release_claims(self) -> None:
+        while self._claims:
+            self._claims.pop().release()
 
     def __enter__(self) -> "DistributedSignalHandler":
         return self.install()
@@ -162,15 +170,7 @@ class DistributedSignalHandler:
         """Agree now (collective), e.g. at the end of an epoch or before a long eval."""
         if self._agreed:
             return True
-        local = int(self.signaled)
-        if self._group is None:
-            agreed = local
-        else:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend(self._group) == "nccl" else torch.device("cpu"))
-            flag = torch.tensor([local], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-            agreed = int(flag.item())
+        (agreed,) = Collectives(self._group).all_reduce_max([int(self.signaled)])
         if agreed:
             self._agreed = True
             names = [signal.Signals(n).name for n in self.received]

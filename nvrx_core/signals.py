@@ -1,0 +1,220 @@
+"""Signals have one owner: a per-process registry of who handles which signal.
+
+Several parts of the suite want signals: preemption records SIGTERM, the in-process
+Wrapper interrupts its main thread with SIGUSR1, the fault-tolerance client and the
+Wrapper have faulthandler dump every thread's stack on SIGUSR2. A signal has exactly one
+disposition per process, so two parts installing handlers for the same signal silently
+break one of them (the last one wins, and releasing restores the wrong handler). Every
+part therefore claims its signals here, under an owner name:
+
+    claim = default_registry().claim(signal.SIGTERM, "preemption", on_sigterm)
+    ...
+    claim.release()          # the disposition from before the claim is back
+
+- A claim on a signal another owner holds is refused with SignalClaimError naming the
+  signal and both owners (configure one of them to use another signal).
+- A claim is a Python handler (any callable, or signal.SIG_IGN / SIG_DFL) or a
+  FaultHandlerDump: faulthandler writes every thread's stack to a file from C, which works
+  even when the main thread is stuck in C code and cannot run a Python handler.
+- Stack dumps share a signal: several owners may claim the same signal for a
+  FaultHandlerDump (the Wrapper and the fault-tolerance client both want SIGUSR2 to dump);
+  the newest claim's destination is used, and releasing it brings the previous one back.
+- The owner may re-claim its own signal with replace=True to change the action (e.g. move
+  the stack dump from a file to stderr); the disposition restored on release stays the one
+  from before its first claim.
+- Claims and releases are made on the main thread: Python installs signal handlers only
+  there, so a claim elsewhere gets a clear error instead of a ValueError from deep inside.
+
+Signal dispositions are per process, so this is the one legitimate per-process object:
+default_registry() returns the current process's registry, and a forked child (a warm
+start worker, a DataLoader worker) starts with an empty one, since the claims it inherited
+belong to code that is not running in it. Tests and embedders may build their own
+SignalRegistry instances.
+"""
+
+import dataclasses
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import IO, Any, Callable, Dict, List, Optional, Union
+
+logger = logging.getLogger("nvrx.signals")
+
+
+class SignalClaimError(RuntimeError):
+    """A claim or release that the registry refuses (conflict, wrong thread, not held)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultHandlerDump:
+    """Claim action: faulthandler dumps the stacks to `file` (None: sys.stderr at claim
+    time). The file must stay open while the claim is held (faulthandler keeps its fd)."""
+
+    file: Optional[IO[str]] = None
+    all_threads: bool = True
+    chain: bool = False
+
+
+Action = Union[Callable[[int, Any], Any], signal.Handlers, FaultHandlerDump]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclasses.dataclass
+class SignalClaim:
+    """One owner's hold on one signal; release() gives the signal back."""
+
+    registry: "SignalRegistry"
+    signum: int
+    owner: str
+    action: Action
+
+    @property
+    def held(self) -> bool:
+        return self in self.registry._stack(self.signum)
+
+    def release(self) -> None:
+        """Give the signal back (see SignalRegistry.release). Safe to call more than once."""
+        self.registry.release(self)
+
+
+class SignalRegistry:
+    """Who holds which signal in this process, and the dispositions to restore.
+
+    Per signal, a stack of claims: one Python handler, or any number of stack dumps
+    (FaultHandlerDump) from different owners. Dumps share: every owner of a dump wants
+    the stacks written, so a newer dump claim takes over the destination and the older
+    one's comes back when the newer is released. A Python handler shares with nobody.
+    """
+
+    def __init__(self) -> None:
+        self._claims: Dict[int, List[SignalClaim]] = {}
+        self._previous: Dict[int, Any] = {}
+        self._lock = threading.RLock()  # a handler running between two bytecodes may claim too
+
+    def claim(self, signum: int, owner: str, action: Action, *, replace: bool = False) -> SignalClaim:
+        """Install `action` for `signum` on behalf of `owner`; see the module docstring."""
+        signum = int(signum)
+        name = _signal_name(signum)
+        _check_action(action)
+        if not owner:
+            raise ValueError("a signal claim needs an owner name")
+        _require_main_thread(f"{owner} cannot claim {name}")
+        with self._lock:
+            stack = self._stack(signum)
+            mine = [c for c in stack if c.owner == owner]
+            if mine and not replace:
+                raise SignalClaimError(f"{owner} already holds {name} (pass replace=True to change the action)")
+            others = [c for c in stack if c.owner != owner]
+            dumps_only = isinstance(action, FaultHandlerDump) and all(
+                isinstance(c.action, FaultHandlerDump) for c in others)
+            if others and not dumps_only:
+                held = others[-1]
+                raise SignalClaimError(
+                    f"{owner} cannot claim {name}: it is held by {held.owner} ({_describe(held.action)}). "
+                    f"Two parts of the job need the same signal; configure one of them to use another signal.")
+            if not stack:
+                self._previous[signum] = signal.getsignal(signum)
+            else:
+                _uninstall(stack[-1])
+            if mine:
+                stack.remove(mine[0])
+            claim = SignalClaim(self, signum, owner, action)
+            stack.append(claim)
+            self._claims[signum] = stack
+            _install(signum, action)
+        logger.debug("%s claimed %s (%s)", owner, name, _describe(action))
+        return claim
+
+    def release(self, claim: SignalClaim) -> None:
+        """Withdraw `claim`: the claim below it (a shared dump) or, when it was the last, the
+        disposition from before the first claim comes back. No-op if not held."""
+        with self._lock:
+            stack = self._stack(claim.signum)
+            if claim not in stack:
+                return
+            _require_main_thread(f"{claim.owner} cannot release {_signal_name(claim.signum)}")
+            top = stack[-1] is claim
+            stack.remove(claim)
+            if top:
+                _uninstall(claim)
+                if stack:
+                    _install(claim.signum, stack[-1].action)
+            if not stack:
+                previous = self._previous.pop(claim.signum)
+                signal.signal(claim.signum, previous if previous is not None else signal.SIG_DFL)
+                del self._claims[claim.signum]
+        logger.debug("%s released %s", claim.owner, _signal_name(claim.signum))
+
+    def _stack(self, signum: int) -> List[SignalClaim]:
+        return self._claims.get(int(signum), [])
+
+    def owner(self, signum: int) -> Optional[str]:
+        """Whose action a delivery of `signum` runs now, or None."""
+        stack = self._stack(signum)
+        return stack[-1].owner if stack else None
+
+    def is_free(self, signum: int) -> bool:
+        """No owner here and no Python handler from elsewhere (the disposition is the default)."""
+        return not self._stack(signum) and signal.getsignal(int(signum)) == signal.SIG_DFL
+
+    def owners(self) -> Dict[str, List[str]]:
+        """{signal name: [owners, oldest first]} for every held signal (for logs and reports)."""
+        return {_signal_name(s): [c.owner for c in st] for s, st in sorted(self._claims.items())}
+
+
+def _check_action(action: Action) -> None:
+    if not (isinstance(action, FaultHandlerDump) or callable(action)
+            or action in (signal.SIG_IGN, signal.SIG_DFL)):
+        raise TypeError(f"a signal claim's action must be a callable, SIG_IGN, SIG_DFL or "
+                        f"FaultHandlerDump, not {action!r}")
+
+
+def _describe(action: Action) -> str:
+    if isinstance(action, FaultHandlerDump):
+        return f"stack dump to {getattr(action.file, 'name', 'stderr') if action.file else 'stderr'}"
+    if action in (signal.SIG_IGN, signal.SIG_DFL):
+        return signal.Handlers(action).name
+    return f"handler {getattr(action, '__qualname__', repr(action))}"
+
+
+def _install(signum: int, action: Action) -> None:
+    if isinstance(action, FaultHandlerDump):
+        faulthandler.register(signum, file=action.file or sys.stderr,
+                              all_threads=action.all_threads, chain=action.chain)
+    else:
+        signal.signal(signum, action)
+
+
+def _uninstall(claim: SignalClaim) -> None:
+    # faulthandler keeps the C-level handler it replaced and puts it back on unregister.
+    if isinstance(claim.action, FaultHandlerDump):
+        faulthandler.unregister(claim.signum)
+
+
+def _require_main_thread(what: str) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        raise SignalClaimError(f"{what} from thread {threading.current_thread().name!r}: signal "
+                               f"handlers are installed and run only on the main thread")
+
+
+_default: Optional[SignalRegistry] = None
+_default_pid: Optional[int] = None
+_default_lock = threading.Lock()
+
+
+def default_registry() -> SignalRegistry:
+    """This process's registry (a forked child gets a new, empty one)."""
+    global _default, _default_pid
+    with _default_lock:
+        if _default is None or _default_pid != os.getpid():
+            _default, _default_pid = SignalRegistry(), os.getpid()
+        return _default
