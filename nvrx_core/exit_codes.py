@@ -40,6 +40,10 @@ class ExitCode(enum.IntEnum):
     INPROCESS_GAVE_UP = 22
     """In-process restart stopped: max_iterations or max_rank_faults was reached."""
 
+    MONITOR_LOST = 23
+    """ft_launcher's node monitor kept dying (restarted too often in a short time): the job is
+    stopped rather than left to train with no hang detection."""
+
 
 def describe(code: int) -> str:
     """A human-readable name for an exit code, including codes not in the table."""
