@@ -15,7 +15,9 @@ subclass only hooks into its extension points:
 
 import dataclasses
 import logging
+import os
 import time
+import uuid
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from torch.distributed import TCPStore
@@ -36,6 +38,7 @@ TERMINAL_EXIT_CODES = frozenset({
     ExitCode.PREEMPTED, ExitCode.STRAGGLER_STOP,
 })
 
+_WORKER_STORE_KEY = "nvrx/worker_store"
 HealthCheck = Callable[[], Tuple[bool, str]]
 
 
@@ -120,6 +123,11 @@ class FaultTolerantAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
+        # The workers never use the rendezvous's TCPStore (they get this agent's fresh store),
+        # so torch's c10d handler must not share it either: its sharing path publishes the
+        # master address only in the first round in which a node is rank 0, and a node that
+        # joins later (--nnodes 1:2) then waits for that key until the store times out.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         super()._rendezvous(worker_group)
         self._serve_fresh_worker_store(worker_group)
         self.events.emit(
@@ -127,16 +135,34 @@ class FaultTolerantAgent(LocalElasticAgent):
             group_world_size=worker_group.group_world_size, seconds=round(time.monotonic() - started, 3),
         )
 
+    _worker_store_token: Optional[str] = None
+    """The token of the last worker store address this node used (see below)."""
+
     def _serve_fresh_worker_store(self, worker_group: WorkerGroup) -> None:
-        """Give this attempt's workers an empty store, agreed through the rendezvous store."""
-        key = f"nvrx/worker_store/attempt_{self.attempt}"
+        """Give this round's workers an empty store; its address agreed through the rendezvous store.
+
+        The key names no attempt count: nodes count attempts differently (one that joined an
+        elastic job late has restarted fewer times than the others), so a key built from a
+        local counter is one that nobody else writes. The c10d (and etcd) handlers hand out a
+        store namespaced by the rendezvous round, which every node of a round shares; in it
+        the one fixed key is fresh. A handler whose store is not namespaced per round (static:
+        a fixed set of nodes) may still hold the previous round's address, so each address
+        carries a new token and a node waits until it sees one it has not used yet.
+        """
         store = worker_group.store
+        self._attempt_store = None  # drop the previous round's server first
         if worker_group.group_rank == 0:
-            self._attempt_store = None  # drop the previous attempt's server first
             host = worker_group.master_addr
             self._attempt_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store.set(key, f"{host}:{self._attempt_store.port}")
-        address = store.get(key).decode()
+            store.set(_WORKER_STORE_KEY, f"{uuid.uuid4().hex} {host}:{self._attempt_store.port}")
+        deadline = time.monotonic() + store.timeout.total_seconds()
+        token, address = store.get(_WORKER_STORE_KEY).decode().split(" ", 1)
+        while token == self._worker_store_token:  # the previous round's: rank 0 has not written yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no new worker store address from group rank 0 within {store.timeout}")
+            time.sleep(0.05)
+            token, address = store.get(_WORKER_STORE_KEY).decode().split(" ", 1)
+        self._worker_store_token = token
         host, _, port = address.rpartition(":")
         worker_group.master_addr = host
         worker_group.master_port = int(port)
