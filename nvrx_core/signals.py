@@ -22,8 +22,12 @@ part therefore claims its signals here, under an owner name:
 - The owner may re-claim its own signal with replace=True to change the action (e.g. move
   the stack dump from a file to stderr); the disposition restored on release stays the one
   from before its first claim.
-- Claims and releases are made on the main thread: Python installs signal handlers only
-  there, so a claim elsewhere gets a clear error instead of a ValueError from deep inside.
+- Python handlers are claimed and released on the main thread: Python installs them only
+  there, so a claim elsewhere gets a clear SignalClaimError instead of a ValueError from
+  deep inside. Stack dumps are installed from C and may be claimed from any thread (a
+  client connecting from a helper thread), unless they displace a Python handler.
+- A previous disposition set from C (not visible to Python) is restored as SIG_DFL when a
+  Python handler is released; faulthandler restores its own predecessor exactly.
 
 Signal dispositions are per process, so this is the one legitimate per-process object:
 default_registry() returns the current process's registry, and a forked child (a warm
@@ -107,24 +111,24 @@ class SignalRegistry:
         _check_action(action)
         if not owner:
             raise ValueError("a signal claim needs an owner name")
-        _require_main_thread(f"{owner} cannot claim {name}")
         with self._lock:
             stack = self._stack(signum)
             mine = [c for c in stack if c.owner == owner]
             if mine and not replace:
                 raise SignalClaimError(f"{owner} already holds {name} (pass replace=True to change the action)")
             others = [c for c in stack if c.owner != owner]
-            dumps_only = isinstance(action, FaultHandlerDump) and all(
-                isinstance(c.action, FaultHandlerDump) for c in others)
+            dumps_only = _is_dump(action) and all(_is_dump(c.action) for c in others)
             if others and not dumps_only:
                 held = others[-1]
                 raise SignalClaimError(
                     f"{owner} cannot claim {name}: it is held by {held.owner} ({_describe(held.action)}). "
                     f"Two parts of the job need the same signal; configure one of them to use another signal.")
+            if not (_is_dump(action) and all(_is_dump(c.action) for c in stack)):
+                _require_main_thread(f"{owner} cannot claim {name}")
             if not stack:
                 self._previous[signum] = signal.getsignal(signum)
             else:
-                _uninstall(stack[-1])
+                self._uninstall(stack[-1])
             if mine:
                 stack.remove(mine[0])
             claim = SignalClaim(self, signum, owner, action)
@@ -141,18 +145,26 @@ class SignalRegistry:
             stack = self._stack(claim.signum)
             if claim not in stack:
                 return
-            _require_main_thread(f"{claim.owner} cannot release {_signal_name(claim.signum)}")
+            if not _is_dump(claim.action):
+                _require_main_thread(f"{claim.owner} cannot release {_signal_name(claim.signum)}")
             top = stack[-1] is claim
             stack.remove(claim)
             if top:
-                _uninstall(claim)
+                self._uninstall(claim)
                 if stack:
                     _install(claim.signum, stack[-1].action)
             if not stack:
-                previous = self._previous.pop(claim.signum)
-                signal.signal(claim.signum, previous if previous is not None else signal.SIG_DFL)
-                del self._claims[claim.signum]
+                del self._claims[claim.signum], self._previous[claim.signum]
         logger.debug("%s released %s", claim.owner, _signal_name(claim.signum))
+
+    def _uninstall(self, claim: SignalClaim) -> None:
+        """Put back what `claim` replaced: faulthandler restores the C-level handler it saved;
+        a Python handler gives way to the disposition from before the first claim."""
+        if _is_dump(claim.action):
+            faulthandler.unregister(claim.signum)
+        else:
+            previous = self._previous[claim.signum]
+            signal.signal(claim.signum, previous if previous is not None else signal.SIG_DFL)
 
     def _stack(self, signum: int) -> List[SignalClaim]:
         return self._claims.get(int(signum), [])
@@ -194,10 +206,8 @@ def _install(signum: int, action: Action) -> None:
         signal.signal(signum, action)
 
 
-def _uninstall(claim: SignalClaim) -> None:
-    # faulthandler keeps the C-level handler it replaced and puts it back on unregister.
-    if isinstance(claim.action, FaultHandlerDump):
-        faulthandler.unregister(claim.signum)
+def _is_dump(action: Action) -> bool:
+    return isinstance(action, FaultHandlerDump)
 
 
 def _require_main_thread(what: str) -> None:

@@ -87,6 +87,40 @@ def test_claims_off_the_main_thread_are_refused_clearly():
     assert registry.owner(signal.SIGUSR1) is None
 
 
+def test_stack_dumps_may_be_claimed_from_any_thread(tmp_path):
+    """faulthandler installs from C; only Python handlers are tied to the main thread."""
+    registry, claims, errors = SignalRegistry(), [], []
+    with open(tmp_path / "dump.txt", "w") as dump:
+        def claim_in_thread():
+            try:
+                claims.append(registry.claim(signal.SIGUSR2, "ft.client", FaultHandlerDump(dump)))
+            except SignalClaimError as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=claim_in_thread)
+        thread.start()
+        thread.join()
+        assert errors == [] and registry.owner(signal.SIGUSR2) == "ft.client"
+        claims[0].release()
+    assert faulthandler.unregister(signal.SIGUSR2) is False  # nothing left registered
+
+
+def test_replacing_a_handler_by_a_dump_then_releasing_restores_the_outside_handler(tmp_path):
+    registry, seen = SignalRegistry(), []
+    original = signal.signal(signal.SIGUSR1, lambda n, f: seen.append("outside"))
+    try:
+        registry.claim(signal.SIGUSR1, "owner", lambda n, f: seen.append("claimed"))
+        with open(tmp_path / "dump.txt", "w") as dump:
+            claim = registry.claim(signal.SIGUSR1, "owner", FaultHandlerDump(dump), replace=True)
+            _deliver(signal.SIGUSR1)  # dumped, no Python handler runs
+            claim.release()
+        _deliver(signal.SIGUSR1)
+        assert seen == ["outside"]
+        assert "Current thread" in (tmp_path / "dump.txt").read_text()
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+
+
 def test_bad_actions_and_owners_are_refused_before_anything_changes():
     registry = SignalRegistry()
     with pytest.raises(TypeError, match="callable, SIG_IGN, SIG_DFL or FaultHandlerDump"):
