@@ -1,13 +1,17 @@
 # make demo   - 4-rank CPU training under ft_launcher with an injected crash and hang
 # make test   - the test suite (real processes, gloo on CPU)
 # make bench  - benchmarks against torchrun and nvidia-resiliency-ext 0.4.1
+# make compat - the test suite on the newest torch installable here (not part of CI)
 PYTHON ?= python3
 VENV := .venv
 PEER_VENV := .venv-peer
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# The newest torch the package index offers here; nvrx_core/torch_compat.py lists both.
+COMPAT_VENV := .venv-compat
+COMPAT_TORCH := torch==2.14.1
 
-.PHONY: venv demo test bench peer clean
+.PHONY: venv demo test bench peer compat clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +27,16 @@ demo: venv
 test: venv
 	$(VENV)/bin/python -m pytest -q tests
 
+compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q tests
+
+$(COMPAT_VENV)/.installed: pyproject.toml
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q $(COMPAT_TORCH)
+	$(COMPAT_VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
 # nvidia-resiliency-ext installs its own `ft_launcher`, so it lives in a venv of its own.
 peer: $(PEER_VENV)/.installed
 
@@ -37,4 +51,4 @@ bench: venv peer
 	set -e; for f in bench/[a-z]*.py; do echo "== $$f"; $(VENV)/bin/python $$f --peer-python $(PEER_VENV)/bin/python; done
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER_VENV) $(COMPAT_VENV) build *.egg-info

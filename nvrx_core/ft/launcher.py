@@ -21,7 +21,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError, check
@@ -32,8 +31,11 @@ from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.warm_start import PRELOAD, run_target, split_python_command, start_fork_server
+from nvrx_core.torch_compat import torchrun_cli
 
 logger = logging.getLogger("nvrx.ft.launcher")
+
+get_args_parser, config_from_args, parse_min_max_nnodes = torchrun_cli()
 
 RESTART_POLICIES = ("any-failed", "min-healthy")
 

@@ -1,0 +1,95 @@
+"""The torch APIs nvrx-suite uses that torch does not promise to keep, in one place.
+
+ft_launcher extends torchrun and torch.distributed.elastic through names that are not
+public API: torchrun's argument parser and config builder, the elastic agent's protected
+hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
+restarts. The in-process Wrapper lists every process group through c10d's private registry
+and aborts an NCCL group through its backend object. A torch release may rename or drop any
+of them; the symptom would then be a launcher that silently stops restarting, or an abort
+that does nothing. Every such use goes through this module, which checks the name when it
+is first needed and raises TorchCompatError naming the torch version, the missing name and
+the versions nvrx-suite was tested with.
+"""
+
+from typing import Any, Iterable, List
+
+import torch
+
+TESTED_TORCH_VERSIONS = ("2.13.0", "2.14.1")
+"""`make test` runs on the first (CI), `make compat` on the newest installable here."""
+
+AGENT_HOOKS = (
+    "_initialize_workers", "_rendezvous", "_start_workers", "_monitor_workers",
+    "_restart_workers", "_stop_workers", "_shutdown",
+)
+"""The protected methods of torch's LocalElasticAgent that FaultTolerantAgent overrides.
+If torch stops calling one, ours would silently never run: each must still exist."""
+
+AGENT_RESTARTS_LEFT = "_remaining_restarts"
+"""SimpleElasticAgent's count of restarts left (set in its __init__)."""
+
+
+class TorchCompatError(RuntimeError):
+    """A torch name nvrx-suite relies on is missing from the installed torch."""
+
+    def __init__(self, name: str, purpose: str):
+        super().__init__(
+            f"torch {torch.__version__} has no {name} ({purpose}); nvrx-suite was tested with torch "
+            f"{', '.join(TESTED_TORCH_VERSIONS)}: install one of those, or report this with the torch version"
+        )
+
+
+def require(owner: Any, attribute: str, purpose: str) -> Any:
+    """`owner.attribute`, or TorchCompatError naming it."""
+    try:
+        return getattr(owner, attribute)
+    except AttributeError:
+        name = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", type(owner).__name__)
+        raise TorchCompatError(f"{name}.{attribute}", purpose) from None
+
+
+def require_all(owner: Any, attributes: Iterable[str], purpose: str) -> None:
+    for attribute in attributes:
+        require(owner, attribute, purpose)
+
+
+# ---- torchrun -----------------------------------------------------------------------------
+
+def torchrun_cli() -> tuple:
+    """(get_args_parser, config_from_args, parse_min_max_nnodes) of torch.distributed.run:
+    ft_launcher accepts every torchrun flag by extending torchrun's own parser."""
+    from torch.distributed import run
+
+    purpose = "torchrun's command line, which ft_launcher extends"
+    return tuple(require(run, name, purpose) for name in ("get_args_parser", "config_from_args", "parse_min_max_nnodes"))
+
+
+# ---- the elastic agent ----------------------------------------------------------------------
+
+def check_agent_hooks(agent_class: type) -> None:
+    """Fail at import, not mid-job, if torch's agent lost a hook that `agent_class` overrides."""
+    for base in agent_class.__mro__[1:]:
+        if base.__module__.startswith("torch."):
+            require_all(base, AGENT_HOOKS, "an elastic agent hook FaultTolerantAgent overrides")
+            return
+    raise TorchCompatError("LocalElasticAgent", f"{agent_class.__name__} must derive from torch's agent")
+
+
+def restarts_left(agent: Any) -> int:
+    return require(agent, AGENT_RESTARTS_LEFT, "the elastic agent's count of restarts left")
+
+
+# ---- c10d ----------------------------------------------------------------------------------
+
+def all_process_groups() -> List[Any]:
+    """Every live process group; no public API lists the subgroups."""
+    import torch.distributed as dist
+
+    world = require(dist.distributed_c10d, "_world", "c10d's registry of process groups")
+    return list(require(world, "pg_map", "c10d's map of live process groups").keys())
+
+
+def nccl_backend(group: Any) -> Any:
+    """The NCCL backend object of `group` (its abort() makes blocked collectives return)."""
+    get_backend = require(group, "_get_backend", "a process group's per-device backend")
+    return get_backend(torch.device("cuda"))
