@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from _baseline import Baseline
 from _process import run_group
 
 HERE = os.path.abspath(__file__)
@@ -151,14 +152,17 @@ def command(name, peer_python, workdir):
             "--bench-mode", "peer"]
 
 
-def run_once(name, peer_python, limit=40.0):
+def run_once(name, peer_python, limit=40.0, baseline=None):
     """One job (a fault-free job takes ~10 s here; a recovered one well under 30 s)."""
     workdir = tempfile.mkdtemp(prefix=f"nvrx-bench-inprocess-{name}-")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
     env["NVRX_EVENTS_FILE"] = os.path.join(workdir, "events.jsonl")
     log_path = os.path.join(workdir, "launcher.log")
+    cmd, cwd = command("ours" if baseline else name, peer_python, workdir), REPO
+    if baseline is not None:
+        cmd, env, cwd = baseline.command(cmd), baseline.env(env), baseline.tree
     with open(log_path, "w") as log:
-        code = run_group(command(name, peer_python, workdir), log, env, limit, cwd=REPO)
+        code = run_group(cmd, log, env, limit, cwd=cwd)
     records = []
     if os.path.exists(os.path.join(workdir, "timeline.jsonl")):
         with open(os.path.join(workdir, "timeline.jsonl")) as f:
@@ -173,11 +177,11 @@ def run_once(name, peer_python, limit=40.0):
     return {"recovery": recovery, "exit": code, "finished": code == 0 and last_step == STEPS, "log": log}
 
 
-def median_recovery(name, peer_python, runs, stop_after_failure=False):
+def median_recovery(name, peer_python, runs, stop_after_failure=False, baseline=None):
     """(median of the recovered runs or None, every run's result)."""
     results = []
     for _ in range(runs):
-        results.append(run_once(name, peer_python))
+        results.append(run_once(name, peer_python, baseline=baseline))
         if stop_after_failure and results[-1]["recovery"] is None:
             break
     shown = ", ".join(f"{r['recovery']:.2f}" if r["recovery"] is not None else "none" for r in results)
@@ -223,6 +227,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer-python", default=None, help="python of the venv with nvidia-resiliency-ext 0.4.1")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--baseline", metavar="REV", help="also measure ours at this git revision, as a peer")
     parser.add_argument("--bench-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bench-mode", choices=("plain", "ours", "peer"), help=argparse.SUPPRESS)
     parser.add_argument("--bench-workdir", help=argparse.SUPPRESS)
@@ -243,6 +248,12 @@ def main() -> int:
             why = (": restarted workers tried to connect to gloo addresses nobody listens on, stale keys in "
                    "torchrun's reused store (pytorch#135712)") if stale else ""
             notes[f"{name} restart"] = f" ({recovered}/{len(results)} runs recovered{why})"
+    if args.baseline:
+        baseline = Baseline(args.baseline)
+        try:
+            peers[baseline.label], _ = median_recovery(baseline.label, args.peer_python, args.runs, baseline=baseline)
+        finally:
+            baseline.close()
     peer_name = "nvrx-0.4.1 inprocess.Wrapper"
     problem = peer_problem(args.peer_python)
     if problem is None:

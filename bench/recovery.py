@@ -17,6 +17,7 @@ import statistics
 import sys
 import tempfile
 
+from _baseline import Baseline
 from _process import run_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,11 +37,13 @@ def launcher_command(name: str, peer_python: str):
     return [ft_launcher, *common, *ft_flags, JOB, "--client", "nvrx"]
 
 
-def run_once(name: str, fault: str, peer_python: str, limit: float) -> dict:
+def run_once(name: str, fault: str, peer_python: str, limit: float, baseline: Baseline = None) -> dict:
     workdir = tempfile.mkdtemp(prefix=f"nvrx-bench-{name}-")
-    cmd = launcher_command(name, peer_python) + ["--fault", fault, "--workdir", workdir]
+    cmd = launcher_command("ours" if baseline else name, peer_python) + ["--fault", fault, "--workdir", workdir]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("NVRX_EVENTS_FILE", None)
+    if baseline is not None:
+        cmd, env = baseline.command(cmd), baseline.env(env)
     with open(os.path.join(workdir, "launcher.log"), "w") as log:
         code = run_group(cmd, log, env, limit)
     records = []
@@ -65,8 +68,8 @@ def run_once(name: str, fault: str, peer_python: str, limit: float) -> dict:
     return {"recovery": (min(after) - t_fault) if after else None, "finished": finished, "exit": code}
 
 
-def median_recovery(name, fault, peer_python, runs, limit):
-    results = [run_once(name, fault, peer_python, limit) for _ in range(runs)]
+def median_recovery(name, fault, peer_python, runs, limit, baseline=None):
+    results = [run_once(name, fault, peer_python, limit, baseline) for _ in range(runs)]
     times = [r["recovery"] for r in results if r["recovery"] is not None]
     detail = ", ".join(f"{r['recovery']:.2f}" if r["recovery"] is not None else "never" for r in results)
     print(f"  {name:9s} {fault:5s} runs: [{detail}] exit codes {[r['exit'] for r in results]}", flush=True)
@@ -101,7 +104,17 @@ def main() -> int:
     parser.add_argument("--reliability", type=int, default=0, help="N kill + N exception runs under ours")
     parser.add_argument("--reliability-peers", action="store_true", help="also count torchrun's reliability")
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--baseline", metavar="REV", help="also measure ours at this git revision, as a peer")
     args = parser.parse_args()
+    baseline = Baseline(args.baseline) if args.baseline else None
+    try:
+        return run(args, baseline)
+    finally:
+        if baseline is not None:
+            baseline.close()
+
+
+def run(args, baseline) -> int:
     has_peer = bool(args.peer_python) and os.path.exists(os.path.join(os.path.dirname(args.peer_python),
                                                                       "ft_launcher"))
     if not has_peer:
@@ -113,6 +126,9 @@ def main() -> int:
                                                  args.runs if fault == "kill" else 1, limit)}
             if has_peer:
                 peers["nvrx-0.4.1"] = median_recovery("nvrx", fault, args.peer_python, args.runs, limit)
+            if baseline is not None:
+                peers[baseline.label] = median_recovery(baseline.label, fault, args.peer_python, args.runs, limit,
+                                                        baseline)
             compare(fault, ours, peers, limit)
         print(f"(hang: heartbeat timeout {HEARTBEAT_TIMEOUT:.0f} s; acceptance: ours <= timeout + 3 s)")
     if args.reliability:
