@@ -43,6 +43,7 @@ STRAGGLER_FOUND = "straggler_found"
 STEP_DONE = "step_done"
 FIRST_PROGRESS = "first_progress"  # the node monitor saw a cycle's first heartbeat / section end
 FAULT_INJECTED = "fault_injected"
+MONITOR_RESTARTED = "monitor_restarted"  # ft_launcher restarted a node monitor that died
 
 
 def _env_int(name: str) -> Optional[int]:

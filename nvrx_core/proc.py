@@ -97,6 +97,10 @@ class ProcessHandle:
     def by_pidfd(self) -> bool:
         return self._pidfd is not None
 
+    def fileno(self) -> int:
+        """The pidfd (to pass to another process, which can then hold the same process); -1 if none."""
+        return -1 if self._pidfd is None else self._pidfd
+
     def send_signal(self, sig: int) -> bool:
         """Send `sig`; False if the process has exited (or the handle was closed)."""
         if self._pidfd is None:
