@@ -1,8 +1,8 @@
 """The node monitor with real Unix sockets and real client objects, kills recorded not sent.
 
-The monitor runs in a thread of the test process; `kill` is injected so a "hung" rank here
-is the test process itself and must not receive SIGKILL. Everything else is real: the
-socket, the JSON lines, the RankMonitorClient, the deadline clock.
+The monitor runs in a thread of the test process; `kill` is injected (as the monitor's
+send_signal) so a "hung" rank here is the test process itself and must not receive SIGKILL.
+Everything else is real: the socket, the JSON lines, the RankMonitorClient, the deadline clock.
 """
 
 import json
@@ -34,9 +34,10 @@ class MonitorThread:
         listener.listen(64)
         self.kills = []
         self.events_file = str(tmp_path / "events.jsonl")
+        kill = kill or (lambda pid, sig: self.kills.append((pid, signal.Signals(sig))))
         self.monitor = NodeMonitor(
             listener, FTConfig(stack_dump_grace=0.05, **cfg), EventLog(self.events_file, source="monitor"),
-            kill=kill or (lambda pid, sig: self.kills.append((pid, signal.Signals(sig)))))
+            send_signal=lambda watch, sig: kill(watch.pid, sig) or True)
         self._stop = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()

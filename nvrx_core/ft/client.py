@@ -1,8 +1,12 @@
 """RankMonitorClient: the rank's side of hang detection.
 
 The hot-path calls (send_heartbeat, start_section, end_section) write one pre-encoded
-line to the node monitor's socket and never wait for an answer; a clock read feeds the
-interval observer used by calculate_and_set_timeouts(). Run outside ft_launcher the
+line to the node monitor's socket and never wait for an answer, nor for the socket: a
+monitor that is slow, stopped or restarting costs a step nothing (nvrx_core.ft.client_link
+says how nothing is lost meanwhile). A clock read feeds the interval observer used by
+calculate_and_set_timeouts(), and the client keeps its own view of what the monitor
+enforces (open sections, last heartbeat, progress), which it re-sends whole after a
+reconnect or a spell the socket could not take messages. Run outside ft_launcher the
 client says loudly that monitoring is inactive and turns every call into a no-op, so the
 same script still runs under torchrun or plain python (torchrun silently dropping fault
 tolerance is a trap this avoids).
@@ -16,12 +20,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import IO, Callable, Dict, Iterator, Optional
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
-from nvrx_core.ft.protocol import ProtocolError, decode, encode
+from nvrx_core.ft.client_link import MonitorLink, read_reply
+from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
 
 logger = logging.getLogger("nvrx.ft.client")
@@ -47,8 +53,17 @@ class RankMonitorClient:
     def __init__(self, socket_path: Optional[str] = None, clock: Callable[[], float] = time.monotonic):
         self._path = socket_path if socket_path is not None else os.environ.get(MONITOR_SOCKET_ENV)
         self._clock = clock
-        self._sock: Optional[socket.socket] = None
+        self._link: Optional[MonitorLink] = None
+        self._lock = threading.Lock()
         self._observer: Optional[IntervalObserver] = None
+        # the rank's own view of what the monitor enforces (re-sent whole as a `state` message)
+        self._registered_at = 0.0
+        self._heartbeats = 0
+        self._last_heartbeat: Optional[float] = None
+        self._sections_used = False
+        self._section_ends = 0
+        self._last_section_end: Optional[float] = None
+        self._iteration: Optional[int] = None
         self._section_msgs: Dict[str, tuple] = {}
         self._section_names: tuple = ()
         self._safety_factor = 5.0
@@ -62,7 +77,7 @@ class RankMonitorClient:
 
     @property
     def is_active(self) -> bool:
-        return self._sock is not None
+        return self._link is not None
 
     # ---- lifecycle -------------------------------------------------------------
     def init_workload_monitoring(self, connect_timeout: float = 30.0) -> bool:
@@ -74,6 +89,13 @@ class RankMonitorClient:
                 MONITOR_SOCKET_ENV,
             )
             return False
+        if self._link is not None:
+            return True
+        init = encode(
+            "init",
+            rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), pid=os.getpid(),
+            cycle=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(connect_timeout)
         try:
@@ -81,50 +103,56 @@ class RankMonitorClient:
         except OSError as e:
             sock.close()
             raise ConnectionError(f"cannot reach the ft_launcher node monitor at {self._path}: {e}") from None
-        self._sock = sock
-        self._send(encode(
-            "init",
-            rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), pid=os.getpid(),
-            cycle=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
-        ))
-        reply = self._read_reply(sock, connect_timeout)
+        try:
+            sock.sendall(init)
+            reply = read_reply(sock, connect_timeout)
+        except OSError as e:
+            sock.close()
+            raise ConnectionError(f"the node monitor at {self._path} did not register this rank: {e}") from None
         if reply["t"] != "init_ok":
-            self.shutdown_workload_monitoring()
+            sock.close()
             raise ConnectionError(f"node monitor refused this rank: {reply.get('reason')}")
-        sock.settimeout(None)
         cfg = reply["config"]
         self._safety_factor = float(cfg["safety_factor"])
         self._min_timeout = float(cfg.get("min_calculated_timeout", 0.0))
         self._section_names = tuple(sorted(cfg["rank_section_timeouts"]))
         self.effective_timeouts = Timeouts.from_json(reply["timeouts"], source="monitor timeouts")
         self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
-        self._observer.on_start(self._clock())
-        self._register_stack_dump(signal.Signals[cfg["stack_dump_signal"]], reply.get("stack_file"))
+        self._registered_at = self._clock()
+        self._observer.on_start(self._registered_at)
+        self._dump_signal = signal.Signals[cfg["stack_dump_signal"]]
+        self._register_stack_dump(reply.get("stack_file"))
+        self._link = MonitorLink(self._path, sock, self._lock, init, self._state_message, self._reregistered)
         if self.calculated != Timeouts():
             self._push_timeouts()
         return True
 
-    def _register_stack_dump(self, sig: signal.Signals, path: Optional[str]) -> None:
-        """faulthandler dumps every thread's stack on `sig`: into the file the monitor reads and
-        prints as one block after the kill (several ranks dumping into one shared stderr at the
-        same moment would interleave), or into stderr where the monitor named no file."""
-        self._dump_signal = sig
+    def _reregistered(self, reply: dict) -> None:
+        """Called by the link's thread after a reconnect: the (maybe new) monitor's dump file."""
+        self._register_stack_dump(reply.get("stack_file"))
+
+    def _register_stack_dump(self, path: Optional[str]) -> None:
+        """faulthandler dumps every thread's stack on the dump signal: into the file the monitor
+        reads and prints as one block after the kill (several ranks dumping into one shared
+        stderr at the same moment would interleave), or into stderr where the monitor named no
+        file. Opened afresh at each registration: a monitor may have removed the old one."""
+        old, self._dump_file = self._dump_file, None
         beside_socket = isinstance(path, str) and os.path.dirname(path) == os.path.dirname(self._path)
         if beside_socket:  # the monitor's private directory, nowhere else
             try:
                 self._dump_file = open(path, "w")
             except OSError as e:
                 logger.warning("stack dumps go to stderr: cannot open %s: %s", path, e)
-        faulthandler.register(sig, file=self._dump_file or sys.stderr, all_threads=True)
+        faulthandler.register(self._dump_signal, file=self._dump_file or sys.stderr, all_threads=True)
+        if old is not None:
+            old.close()
 
     def shutdown_workload_monitoring(self) -> None:
         """Tell the monitor this rank is leaving on purpose (no hang), then disconnect."""
-        if self._sock is None:
+        if self._link is None:
             return
-        with contextlib.suppress(OSError):
-            self._sock.sendall(encode("bye"))
-        self._sock.close()
-        self._sock = None
+        link, self._link = self._link, None
+        link.close(farewell=encode("bye"))
         if self._dump_file is not None:  # the monitor removes the file: later dumps go to stderr
             faulthandler.register(self._dump_signal, file=sys.stderr, all_threads=True)
             self._dump_file.close()
@@ -132,30 +160,53 @@ class RankMonitorClient:
 
     # ---- hot path --------------------------------------------------------------
     def send_heartbeat(self) -> None:
-        if self._sock is None:
+        link = self._link
+        if link is None:
             return
-        self._observer.on_heartbeat(self._clock())
-        self._send(_HEARTBEAT)
+        with self._lock:
+            now = self._clock()
+            self._observer.on_heartbeat(now)
+            self._heartbeats += 1
+            self._last_heartbeat = now
+            link.send(_HEARTBEAT)
 
     def start_section(self, name: str) -> None:
-        if self._sock is None:
+        link = self._link
+        if link is None:
             return
-        self._observer.on_section_start(name, self._clock())
-        self._send(self._section_msg(name)[0])
+        msg = self._section_msg(name)[0]
+        with self._lock:
+            self._sections_used = True
+            self._observer.on_section_start(name, self._clock())
+            link.send(msg)
 
     def end_section(self, name: str) -> None:
-        if self._sock is None:
+        link = self._link
+        if link is None:
             return
-        self._observer.on_section_end(name, self._clock())
-        self._send(self._section_msg(name)[1])
+        msg = self._section_msg(name)[1]
+        with self._lock:
+            now = self._clock()
+            was_open = name in self._observer.open_sections
+            self._observer.on_section_end(name, now)
+            if was_open:
+                self._section_ends += 1
+                if not self._observer.open_sections:
+                    self._last_section_end = now
+            link.send(msg)
 
     def end_all_sections(self) -> None:
-        if self._sock is None:
+        link = self._link
+        if link is None:
             return
-        now = self._clock()
-        for name in list(self._observer.open_sections):
-            self._observer.on_section_end(name, now)
-        self._send(_END_ALL)
+        with self._lock:
+            now = self._clock()
+            if self._observer.open_sections:
+                for name in list(self._observer.open_sections):
+                    self._observer.on_section_end(name, now)
+                self._section_ends += 1
+                self._last_section_end = now
+            link.send(_END_ALL)
 
     @contextlib.contextmanager
     def section(self, name: str) -> Iterator[None]:
@@ -167,8 +218,13 @@ class RankMonitorClient:
 
     def report_progress(self, iteration: int) -> None:
         """Tell the launcher how far training got (it gives up after cycles with no progress)."""
-        if self._sock is not None:
-            self._send(encode("progress", iteration=int(iteration)))
+        link = self._link
+        if link is None:
+            return
+        msg = encode("progress", iteration=int(iteration))
+        with self._lock:
+            self._iteration = max(int(iteration), self._iteration if self._iteration is not None else int(iteration))
+            link.send(msg)
 
     # ---- timeouts --------------------------------------------------------------
     def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False) -> bool:
@@ -179,7 +235,7 @@ class RankMonitorClient:
         ones (max), pushed to the monitor, and kept in state_dict(). Returns False when
         skipped because some rank had not observed anything yet and skip_if_not_ready.
         """
-        if self._sock is None:
+        if self._link is None:
             return False
         observed = self._observer.observed(self._section_names)
         values = [observed.initial_heartbeat, observed.heartbeat, observed.out_of_section]
@@ -195,12 +251,15 @@ class RankMonitorClient:
             out_of_section=unpack(reduced[2]),
             sections={n: unpack(v) for n, v in zip(self._section_names, reduced[3:-1])},
         )
-        self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor, self._min_timeout))
+        with self._lock:
+            self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor, self._min_timeout))
         self._push_timeouts()
         return True
 
     def _push_timeouts(self) -> None:
-        self._send(encode("timeouts", timeouts=self.calculated.to_json()))
+        msg = encode("timeouts", timeouts=self.calculated.to_json())
+        with self._lock:
+            self._link.send(msg)
         if self.effective_timeouts is not None:
             self.effective_timeouts = self.effective_timeouts.overridden_by(self.calculated)
 
@@ -211,8 +270,10 @@ class RankMonitorClient:
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ConfigError(f"fault tolerance state: expected version {STATE_VERSION}, got {state!r:.200}")
-        self.calculated = Timeouts.from_json(state.get("calculated_timeouts", {}), "calculated_timeouts")
-        if self._sock is not None and self.calculated != Timeouts():
+        calculated = Timeouts.from_json(state.get("calculated_timeouts", {}), "calculated_timeouts")
+        with self._lock:
+            self.calculated = calculated
+        if self._link is not None and self.calculated != Timeouts():
             self._push_timeouts()
 
     def save_state(self, directory: str) -> str:
@@ -246,28 +307,17 @@ class RankMonitorClient:
             msgs = self._section_msgs[name] = (encode("ss", name=name), encode("se", name=name))
         return msgs
 
-    def _send(self, data: bytes) -> None:
-        try:
-            self._sock.sendall(data)
-        except OSError as e:
-            logger.error("lost the node monitor (%s): hang detection is now INACTIVE for this rank", e)
-            self._sock.close()
-            self._sock = None
-
-    @staticmethod
-    def _read_reply(sock: socket.socket, timeout: float) -> dict:
-        buf = b""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in buf:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ConnectionError("node monitor closed the connection during init")
-            buf += chunk
-        try:
-            return decode(buf.split(b"\n", 1)[0])
-        except ProtocolError as e:
-            raise ConnectionError(f"node monitor sent a bad reply: {e}") from None
+    def _state_message(self) -> bytes:
+        """The rank's whole view for the monitor (built by the link's thread, lock held)."""
+        now = self._clock()
+        age = lambda t: None if t is None else max(0.0, now - t)  # noqa: E731
+        return encode(
+            "state", since_init=age(self._registered_at), heartbeats=self._heartbeats,
+            hb_age=age(self._last_heartbeat), sections_used=self._sections_used,
+            open={name: age(t) for name, t in self._observer.open_sections.items()},
+            section_ends=self._section_ends, se_age=age(self._last_section_end), iteration=self._iteration,
+            timeouts=self.calculated.to_json() if self.calculated != Timeouts() else None,
+        )
 
 
 def _all_reduce_max(values: list) -> list:

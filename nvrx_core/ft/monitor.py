@@ -3,92 +3,49 @@
 It outlives restart cycles (started once by ft_launcher) so calculated timeouts and the
 per-cycle progress record survive the ranks. Ranks talk to it over a Unix socket
 (nvrx_core.ft.protocol). It sleeps until the earliest deadline of any rank; when one
-expires it asks the rank to dump all thread stacks (faulthandler on stack_dump_signal, into
-a per-rank file the monitor then prints as one block), waits stack_dump_grace (longer while
-the signal is still pending: a rank the scheduler has not run yet has not written its
-stacks), sends rank_termination_signal, and escalates to SIGKILL if the rank is still alive
-after termination_grace. The launcher then sees a failed worker and restarts the group.
-Timing never blocks serving: pending kills are scheduled actions.
+expires it dumps the rank's stacks and kills it (nvrx_core.ft.kills). The launcher then
+sees a failed worker and restarts the group. Timing never blocks serving: pending kills
+are scheduled actions, and replies are queued (nvrx_core.ft.monitor_io).
+
+If it dies anyway, ft_launcher starts a new one on the same listening socket, passing the
+restart cycle and the ranks still running (--adopt): each must re-register within a grace
+(its client reconnects on its own and re-sends its state), or it is treated as hung.
+
+Trust: a peer is known by SO_PEERCRED (no credentials, no connection); a rank can only
+register as its own pid, whose pidfd the monitor then holds for every signal; control
+messages (cycle, stats) are accepted from the launcher's pid only.
 
 Imports stdlib only (plus nvrx_core config parsing): it must start fast and never touch torch.
 """
 
 import argparse
-import dataclasses
-import heapq
 import json
 import logging
 import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
-from nvrx_core.ft.protocol import LineBuffer, ProtocolError, encode
+from nvrx_core.ft.kills import Killer, Scheduler, SendSignal, signal_by_handle
+from nvrx_core.ft.monitor_io import Conn, peer_credentials, remove, report_stacks, stack_file
+from nvrx_core.ft.protocol import ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
-from nvrx_core.proc import DUMP_WAIT_LIMIT, signal_pending
+from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
+from nvrx_core.proc import ProcessHandle
+
+__all__ = ["NodeMonitor", "RankWatch", "next_deadline", "main"]
 
 logger = logging.getLogger("nvrx.ft.monitor")
 
-_PEERCRED = struct.Struct("3i")
-
-
-@dataclasses.dataclass
-class RankWatch:
-    """What the monitor knows about one connected rank."""
-
-    rank: int
-    local_rank: int
-    pid: int
-    cycle: int
-    connected_at: float
-    timeouts: Timeouts
-    last_heartbeat: Optional[float] = None
-    heartbeats: int = 0
-    open_sections: Dict[str, float] = dataclasses.field(default_factory=dict)
-    uses_sections: bool = False
-    last_section_end: Optional[float] = None
-    section_ends: int = 0
-    max_iteration: Optional[int] = None
-    expired: bool = False
-
-
-def next_deadline(w: RankWatch) -> Optional[Tuple[float, str]]:
-    """The earliest moment `w` counts as hung, and why; None if nothing is enforced.
-
-    Heartbeat deadlines apply unless the rank chose section mode (opened a section and
-    never sent a heartbeat). Section deadlines apply to each open section; with none open,
-    the out-of-section timeout runs from the last section end (or the connection).
-    """
-    t = w.timeouts
-    candidates: List[Tuple[float, str]] = []
-    if w.last_heartbeat is None:
-        if t.initial_heartbeat is not None and not w.uses_sections:
-            candidates.append((w.connected_at + t.initial_heartbeat, "no initial heartbeat"))
-    elif t.heartbeat is not None:
-        candidates.append((w.last_heartbeat + t.heartbeat, "heartbeat timeout"))
-    if w.open_sections:
-        for name, started in w.open_sections.items():
-            limit = t.sections.get(name)
-            if limit is not None:
-                candidates.append((started + limit, f"section '{name}' timeout"))
-    elif t.out_of_section is not None:
-        since = w.last_section_end if w.last_section_end is not None else w.connected_at
-        candidates.append((since + t.out_of_section, "out-of-section timeout"))
-    return min(candidates) if candidates else None
-
-
-@dataclasses.dataclass
-class _Conn:
-    sock: socket.socket
-    peer_pid: int
-    buffer: LineBuffer = dataclasses.field(default_factory=LineBuffer)
-    watch: Optional[RankWatch] = None
+CONTROL_MESSAGES = frozenset({"cycle", "stats"})
+REREGISTER_FLOOR = 30.0
+"""Seconds an adopted rank has at least to re-register with a restarted monitor."""
+_DRAIN_PASSES = 8  # bounded: a peer flooding the socket must not keep enforcement away
 
 
 class NodeMonitor:
@@ -100,32 +57,45 @@ class NodeMonitor:
         config: FTConfig,
         events: ev.EventLog,
         clock: Callable[[], float] = time.monotonic,
-        kill: Callable[[int, int], None] = os.kill,
-        parent_pid: Optional[int] = None,
+        send_signal: SendSignal = signal_by_handle,
+        launcher_pid: Optional[int] = None,
+        credentials: Callable[[socket.socket], Tuple[int, int, int]] = peer_credentials,
+        open_process: Callable[[int], ProcessHandle] = ProcessHandle.open,
+        cycle: int = 0,
+        adopt: Optional[Dict[int, ProcessHandle]] = None,
+        reregister_floor: float = REREGISTER_FLOOR,
     ):
+        """`launcher_pid`: the only peer whose control messages are accepted (None: nobody's),
+        and the parent whose exit ends serve_forever(). `send_signal`, `credentials` and
+        `open_process` are injectable so tests can stand in for the kernel."""
         self.cfg = config
         self.events = events
         self._clock = clock
-        self._kill = kill
-        self._parent_pid = parent_pid
+        self._launcher_pid = launcher_pid
+        self._credentials = credentials
+        self._open_process = open_process
         self._listener = listener
         listener.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(listener, selectors.EVENT_READ, None)
-        self._conns: Dict[int, _Conn] = {}
-        self._actions: List[Tuple[float, int, Callable[[], None]]] = []  # heap of scheduled kills
-        self._seq = 0
-        self.cycle = 0
+        self._conns: Dict[int, Conn] = {}
+        self._sched = Scheduler(clock)
+        self._killer = Killer(config, events, self._sched, clock, send_signal, self._report_stacks)
+        self.cycle = cycle
         self._cycle_watches: List[RankWatch] = []
         self._cycle_progressed = False
+        self._warned_bare_pid = False
+        self._adopted: Dict[int, RankWatch] = {}  # pid -> watch of a rank that must re-register
+        if adopt:
+            self._adopt(adopt, reregister_grace(Timeouts.from_config(config), reregister_floor))
 
     # ---- main loop -------------------------------------------------------------
     def serve_forever(self) -> None:
         try:
             while True:
                 self.poll(self.cfg.workload_check_interval)
-                if self._parent_pid is not None and os.getppid() != self._parent_pid:
-                    logger.info("launcher (pid %d) is gone; monitor exiting", self._parent_pid)
+                if self._launcher_pid is not None and os.getppid() != self._launcher_pid:
+                    logger.info("launcher (pid %d) is gone; monitor exiting", self._launcher_pid)
                     break
         finally:
             self.close()
@@ -134,22 +104,32 @@ class NodeMonitor:
         """Serve I/O for at most `max_wait` seconds (less if a deadline comes first), then enforce."""
         now = self._clock()
         wake = now + max_wait
-        nearest = self._nearest_deadline()
-        if nearest is not None:
-            wake = min(wake, nearest)
-        if self._actions:
-            wake = min(wake, self._actions[0][0])
-        for key, _ in self._sel.select(max(0.0, wake - now)):
+        for when in (self._nearest_deadline(), self._sched.next_time()):
+            if when is not None:
+                wake = min(wake, when)
+        self._serve(self._sel.select(max(0.0, wake - now)))
+        self._sched.run_due()
+        self._enforce()
+
+    def _serve(self, ready) -> None:
+        for key, mask in ready:
             if key.data is None:
                 self._accept()
-            else:
-                self._read(key.data)
-        self._run_due_actions()
-        self._enforce()
+                continue
+            conn = key.data
+            if mask & selectors.EVENT_WRITE and not conn.flush():
+                self._drop(conn, clean=False)
+                continue
+            if mask & selectors.EVENT_READ:
+                self._read(conn)
+            self._watch_writes(conn)
 
     def close(self) -> None:
         for conn in list(self._conns.values()):
             self._drop(conn, clean=True)
+        for w in self._adopted.values():
+            w.proc.close()
+        self._adopted.clear()
         self._sel.close()
         self._listener.close()
 
@@ -157,18 +137,26 @@ class NodeMonitor:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except BlockingIOError:
+        except (BlockingIOError, InterruptedError):
             return
-        sock.setblocking(False)
         try:
-            pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        except OSError:
-            pid = -1
-        conn = _Conn(sock=sock, peer_pid=pid)
+            pid = self._credentials(sock)[0]
+            if pid <= 0:
+                raise OSError(f"the kernel reports pid {pid}")
+            proc = self._open_process(pid)
+        except OSError as e:  # fail closed: an unknown peer is no peer
+            logger.warning("dropped a connection whose peer cannot be identified: %s", e)
+            sock.close()
+            return
+        if not proc.by_pidfd and not self._warned_bare_pid:
+            self._warned_bare_pid = True
+            logger.warning("this kernel has no pidfds: ranks are signalled by pid, and only while connected")
+        sock.setblocking(False)
+        conn = Conn(sock=sock, peer_pid=pid, proc=proc)
         self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: Conn) -> None:
         try:
             data = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -179,82 +167,70 @@ class NodeMonitor:
             self._drop(conn, clean=False)
             return
         for msg, problem in conn.buffer.feed(data):
+            if conn.sock.fileno() < 0:  # dropped by an earlier message (bye, a reply never read)
+                return
             if problem is not None:
-                logger.warning("dropped a bad message from pid %d: %s", conn.peer_pid, problem)
+                conn.warn_bad(problem)
                 continue
             try:
                 self._handle(conn, msg)
             except (ProtocolError, ValueError) as e:
-                logger.warning("dropped a bad %r message from pid %d: %s", msg.get("t"), conn.peer_pid, e)
-                self._reply(conn, encode("error", reason=str(e)))
+                conn.warn_bad(f"{msg.get('t')!r} message: {e}")
+                self._reply(conn, encode("error", reason=str(e)[:1000]), droppable=True)
 
-    def _drop(self, conn: _Conn, clean: bool) -> None:
-        self._conns.pop(conn.sock.fileno(), None)
+    def _reply(self, conn: Conn, data: bytes, droppable: bool = False) -> None:
+        if not conn.queue(data, droppable):
+            self._drop(conn, clean=False)
+
+    def _watch_writes(self, conn: Conn) -> None:
+        """Wake for writability only while replies are queued."""
+        if conn.sock.fileno() < 0:
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        if self._sel.get_key(conn.sock).events != events:
+            self._sel.modify(conn.sock, events, conn)
+
+    def _drop(self, conn: Conn, clean: bool) -> None:
+        if self._conns.pop(conn.sock.fileno(), None) is None:
+            return
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        conn.report_bad()
         w = conn.watch
-        if w is not None and not clean and not w.expired:
-            logger.info("rank %d (pid %d) disconnected without saying bye", w.rank, w.pid)
-        if w is not None and not w.expired:  # an expired rank's stacks are reported, then removed
-            _remove(self._stack_file(w))
         conn.watch = None
+        if w is None:
+            conn.proc.close()
+            return
+        if not clean and not w.expired:
+            logger.info("rank %d (pid %d) disconnected without saying bye", w.rank, w.pid)
+        if not w.expired:  # an expired rank's stacks are reported, then removed
+            remove(self._stack_file(w))
+        self._killer.rank_disconnected(w)  # closes the pidfd unless a kill step still needs it
 
     def _stack_file(self, w: RankWatch) -> str:
-        """Where the rank's faulthandler writes (the client opens it): one file per rank, so the
-        stacks of ranks dumped at the same moment are not interleaved in one output stream."""
-        directory = os.path.dirname(self._listener.getsockname()) or "."
-        return os.path.join(directory, f"stacks-rank{w.rank}-pid{w.pid}.txt")
+        return stack_file(os.path.dirname(self._listener.getsockname()) or ".", w)
 
     def _report_stacks(self, w: RankWatch) -> None:
-        """Log the rank's dump as one block, then remove the file."""
-        path = self._stack_file(w)
-        try:
-            with open(path, errors="replace") as f:
-                dump = f.read(MAX_STACK_DUMP_CHARS)
-        except OSError:
-            return
-        _remove(path)
-        if dump.strip():
-            logger.error("stacks of hung rank %d (pid %d):\n%s", w.rank, w.pid, dump.rstrip())
-
-    def _reply(self, conn: _Conn, data: bytes) -> None:
-        try:
-            conn.sock.setblocking(True)
-            conn.sock.settimeout(1.0)
-            conn.sock.sendall(data)
-        except OSError as e:
-            logger.warning("could not reply to pid %d: %s", conn.peer_pid, e)
-        finally:
-            try:
-                conn.sock.setblocking(False)
-            except OSError:
-                pass
+        report_stacks(self._stack_file(w), w)
 
     # ---- messages --------------------------------------------------------------
-    def _handle(self, conn: _Conn, msg: dict) -> None:
+    def _handle(self, conn: Conn, msg: dict) -> None:
         kind = msg["t"]
         now = self._clock()
+        if kind in CONTROL_MESSAGES:
+            self._on_control(conn, msg)
+            return
         if kind == "init":
             self._on_init(conn, msg, now)
-            return
-        if kind == "cycle":
-            self.cycle = msg["cycle"]
-            self._cycle_watches = []
-            self._cycle_progressed = False
-            self._reply(conn, encode("ok"))
-            return
-        if kind == "stats":
-            self._reply(conn, encode("stats_reply", stats=self.cycle_stats()))
             return
         w = conn.watch
         if w is None:
             raise ProtocolError(f"{kind} before init")
         if kind in ("hb", "se", "progress") and not self._cycle_progressed:
-            self._cycle_progressed = True
-            self.events.emit(ev.FIRST_PROGRESS, rank=w.rank, cycle=w.cycle, signal=kind)
+            self._progressed(w, kind)
         if kind == "hb":
             w.last_heartbeat = now
             w.heartbeats += 1
@@ -277,22 +253,63 @@ class NodeMonitor:
             calculated = Timeouts.from_json(msg["timeouts"], source="timeouts message")
             w.timeouts = w.timeouts.overridden_by(calculated)
             self.events.emit(ev.TIMEOUTS_UPDATED, rank=w.rank, cycle=w.cycle, timeouts=w.timeouts.to_json())
+        elif kind == "state":
+            if apply_state(w, msg, now, Timeouts.from_config(self.cfg)):
+                self.events.emit(ev.TIMEOUTS_UPDATED, rank=w.rank, cycle=w.cycle, timeouts=w.timeouts.to_json())
+            if not self._cycle_progressed and (w.heartbeats or w.section_ends or w.max_iteration is not None):
+                self._progressed(w, kind)
         elif kind == "bye":
             self._drop(conn, clean=True)
         else:
             raise ProtocolError(f"{kind} is not a rank message")
 
-    def _on_init(self, conn: _Conn, msg: dict, now: float) -> None:
-        if conn.peer_pid > 0 and msg["pid"] != conn.peer_pid:
+    def _progressed(self, w: RankWatch, signal_kind: str) -> None:
+        self._cycle_progressed = True
+        self.events.emit(ev.FIRST_PROGRESS, rank=w.rank, cycle=w.cycle, signal=signal_kind)
+
+    def _on_control(self, conn: Conn, msg: dict) -> None:
+        if self._launcher_pid is None or conn.peer_pid != self._launcher_pid:
+            raise ProtocolError(f"{msg['t']} is a launcher message; refused from pid {conn.peer_pid}")
+        if msg["t"] == "cycle":
+            self.cycle, self._cycle_watches, self._cycle_progressed = msg["cycle"], [], False
+            self._reply(conn, encode("ok"))
+        else:
+            self._reply(conn, encode("stats_reply", stats=self.cycle_stats()))
+
+    def _on_init(self, conn: Conn, msg: dict, now: float) -> None:
+        if msg["pid"] != conn.peer_pid:
             raise ProtocolError(f"init claims pid {msg['pid']} but the socket peer is pid {conn.peer_pid}")
+        if conn.watch is not None:
+            raise ProtocolError("init twice on one connection")
         w = RankWatch(
             rank=msg["rank"], local_rank=msg["local_rank"], pid=msg["pid"], cycle=msg["cycle"],
-            connected_at=now, timeouts=Timeouts.from_config(self.cfg),
+            connected_at=now, timeouts=Timeouts.from_config(self.cfg), proc=conn.proc,
         )
         conn.watch = w
+        adopted = self._adopted.pop(w.pid, None)
+        if adopted is not None:
+            if not adopted.expired:  # (an expired one's kill steps still hold its pidfd)
+                adopted.proc.close()
+            logger.info("rank %d (pid %d) re-registered", w.rank, w.pid)
+        # a rank reconnecting to this same monitor replaces its earlier record (its state follows)
+        self._cycle_watches = [old for old in self._cycle_watches if old.pid != w.pid]
         self._cycle_watches.append(w)
         self._reply(conn, encode("init_ok", config=self.cfg.to_json(), timeouts=w.timeouts.to_json(),
                                  stack_file=self._stack_file(w)))
+
+    def _adopt(self, ranks: Dict[int, ProcessHandle], grace: float) -> None:
+        """Watch ranks of the monitor this one replaces until they re-register (see module doc)."""
+        now = self._clock()
+        for rank, proc in ranks.items():
+            if proc.exited():
+                proc.close()
+                continue  # already gone: the launcher sees it
+            self._adopted[proc.pid] = RankWatch(
+                rank=rank, local_rank=-1, pid=proc.pid, cycle=self.cycle, connected_at=now, timeouts=Timeouts(),
+                proc=proc, reregister_by=now + grace, connected=False)
+        if self._adopted:
+            logger.info("waiting up to %.0f s for ranks %s to re-register", grace,
+                        sorted(w.rank for w in self._adopted.values()))
 
     def cycle_stats(self) -> dict:
         """Progress made by the ranks of the current cycle (the launcher's no-progress check)."""
@@ -307,7 +324,8 @@ class NodeMonitor:
 
     # ---- enforcement -----------------------------------------------------------
     def _watches(self):
-        return [c.watch for c in self._conns.values() if c.watch is not None and not c.watch.expired]
+        live = [c.watch for c in self._conns.values() if c.watch is not None and not c.watch.expired]
+        return live + [w for w in self._adopted.values() if not w.expired]
 
     def _nearest_deadline(self) -> Optional[float]:
         deadlines = [d[0] for d in map(next_deadline, self._watches()) if d is not None]
@@ -315,74 +333,26 @@ class NodeMonitor:
 
     def _enforce(self) -> None:
         now = self._clock()
+        if any(d is not None and d[0] <= now for d in map(next_deadline, self._watches())):
+            # Read everything that has arrived before calling anyone hung. A wait cut short by
+            # SIGSTOP / SIGCONT reports no events when its timeout passed meanwhile (Python
+            # retries an interrupted wait only while time is left), though the ranks' messages
+            # of the whole stopped spell are waiting to be read.
+            for _ in range(_DRAIN_PASSES):
+                ready = self._sel.select(0)
+                if not ready:
+                    break
+                self._serve(ready)
+            now = self._clock()
         for w in self._watches():
             due = next_deadline(w)
-            if due is not None and due[0] <= now:
-                self._begin_kill(w, due[1], overdue=now - due[0])
-
-    def _schedule(self, at: float, action: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._actions, (at, self._seq, action))
-
-    def _run_due_actions(self) -> None:
-        while self._actions and self._actions[0][0] <= self._clock():
-            _, _, action = heapq.heappop(self._actions)
-            action()
-
-    def _signal(self, w: RankWatch, sig: int) -> bool:
-        try:
-            self._kill(w.pid, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def _begin_kill(self, w: RankWatch, reason: str, overdue: float) -> None:
-        w.expired = True
-        logger.error("rank %d (pid %d) hung: %s; dumping its stacks, then terminating it", w.rank, w.pid, reason)
-        self.events.emit(
-            ev.FAULT_DETECTED, rank=w.rank, cycle=w.cycle, fault="hang", reason=reason,
-            pid=w.pid, open_sections=sorted(w.open_sections), overdue_s=round(overdue, 3),
-        )
-        if self._signal(w, self.cfg.stack_dump_signal):
-            self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
-                             signal=self.cfg.stack_dump_signal.name)
-        sent = self._clock()
-        self._schedule(sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, waited=False))
-
-    def _terminate_after_dump(self, w: RankWatch, sent: float, waited: bool) -> None:
-        """Terminate once the rank has taken the dump signal, or after DUMP_WAIT_LIMIT."""
-        now = self._clock()
-        if now - sent < DUMP_WAIT_LIMIT and signal_pending(w.pid, self.cfg.stack_dump_signal):
-            self._schedule(now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
-        elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
-            self._schedule(now + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, False))
-        else:
-            self._report_stacks(w)
-            self._terminate(w)
-
-    def _terminate(self, w: RankWatch) -> None:
-        sig = self.cfg.rank_termination_signal
-        if not self._signal(w, sig):
-            return
-        self._signal(w, signal.SIGCONT)  # a stopped (SIGSTOP) rank must run to act on SIGTERM
-        self.events.emit(ev.RANK_KILLED, rank=w.rank, cycle=w.cycle, pid=w.pid, signal=sig.name)
-        if sig != signal.SIGKILL:
-            self._schedule(self._clock() + self.cfg.termination_grace, lambda: self._escalate(w))
-
-    def _escalate(self, w: RankWatch) -> None:
-        if self._signal(w, signal.SIGKILL):
-            logger.error("rank %d (pid %d) survived %s; sent SIGKILL", w.rank, w.pid,
-                         self.cfg.rank_termination_signal.name)
-
-
-MAX_STACK_DUMP_CHARS = 1 << 20
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+            if due is None or due[0] > now:
+                continue
+            if w.reregister_by is not None and w.proc.exited():
+                self._adopted.pop(w.pid, None)  # exited meanwhile: nothing to watch
+                w.proc.close()
+                continue
+            self._killer.begin(w, due[1], overdue=now - due[0])
 
 
 def main(argv=None) -> int:
@@ -390,14 +360,22 @@ def main(argv=None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="inherited listening Unix socket")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--events-file", default=None)
-    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="the launcher: the only sender of control messages; the monitor exits with it")
+    parser.add_argument("--cycle", type=int, default=0, help="the current restart cycle (a restarted monitor)")
+    parser.add_argument("--adopt", default="", metavar="RANK:PID,...",
+                        help="ranks of a monitor that died: each must re-register, or is treated as hung")
     args = parser.parse_args(argv)
     cfg = FTConfig.from_json(json.loads(args.config_json))
+    try:
+        adopt = {rank: ProcessHandle(pid, pidfd) for rank, (pid, pidfd) in parse_adopt(args.adopt).items()}
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="[nvrx monitor %(asctime)s] %(levelname)s %(message)s")
     listener = socket.socket(fileno=args.fd)
     monitor = NodeMonitor(listener, cfg, ev.EventLog(args.events_file, source="monitor"),
-                          parent_pid=args.parent_pid)
+                          launcher_pid=args.parent_pid, cycle=args.cycle, adopt=adopt)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
     monitor.serve_forever()

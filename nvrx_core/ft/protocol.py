@@ -11,10 +11,16 @@ Rank -> monitor (fire and forget, except `init`):
   sea         end all open sections
   progress    {iteration}                                training progress (for no-progress detection)
   timeouts    {timeouts}                                 calculated timeouts for this rank
+  state       {since_init, heartbeats, hb_age, sections_used, open {name: age}, section_ends, se_age,
+               iteration, timeouts}                      the rank's whole view, ages in seconds: sent
+                                                         after a reconnect, and instead of the messages
+                                                         the socket could not take (see client_link)
   bye         the rank is shutting down cleanly: stop watching it
-Launcher -> monitor (request / reply):
+Launcher -> monitor (request / reply; refused from any other process):
   cycle       {cycle}                                    a new restart cycle begins -> ok
   stats       -> stats {ranks, heartbeats, section_ends, max_iteration}   for the cycle so far
+Monitor -> any peer:
+  error       {reason}                                   a message was refused (advisory; may be dropped)
 """
 
 import json
@@ -28,7 +34,9 @@ class ProtocolError(ValueError):
     """A message that does not follow the protocol; the text says what is wrong."""
 
 
-# type -> {field: allowed types}
+_NUMBER = (int, float)
+
+# type -> {field: allowed type(s)}; required fields only (a handler checks optional ones)
 _SCHEMA = {
     "init": {"rank": int, "local_rank": int, "pid": int, "cycle": int},
     "hb": {},
@@ -37,6 +45,7 @@ _SCHEMA = {
     "sea": {},
     "progress": {"iteration": int},
     "timeouts": {"timeouts": dict},
+    "state": {"since_init": _NUMBER, "heartbeats": int, "section_ends": int, "open": dict},
     "bye": {},
     "cycle": {"cycle": int},
     "stats": {},
@@ -71,8 +80,9 @@ def decode(line: bytes) -> dict:
     for field, kind in schema.items():
         value = msg.get(field)
         # bool is an int subclass; a rank of `true` is still garbage.
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ProtocolError(f"{msg['t']}: field {field!r} must be {kind.__name__}, got {value!r}")
+        if not isinstance(value, kind) or (kind in (int, _NUMBER) and isinstance(value, bool)):
+            name = "number" if kind is _NUMBER else kind.__name__
+            raise ProtocolError(f"{msg['t']}: field {field!r} must be {name}, got {value!r:.200}")
     return msg
 
 

@@ -1,0 +1,153 @@
+"""How the node monitor takes down a hung rank, and the clock of scheduled steps it runs on.
+
+The sequence: ask the rank for a stack dump (faulthandler on stack_dump_signal), wait
+stack_dump_grace (longer while the signal is still pending: a rank the scheduler has not run
+yet has not written its stacks, up to proc.DUMP_WAIT_LIMIT), report the dump, send
+rank_termination_signal (and SIGCONT, so a stopped rank can act on it), and SIGKILL if the
+rank is still alive termination_grace later. Each step is a scheduled action, so timing
+never blocks the monitor's serving of the other ranks.
+
+Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
+connected, so no step can reach another process that reused the pid. Steps still pending
+are cancelled when the rank's process has exited. A rank that merely disconnected (closed its
+socket, maybe in its SIGTERM handler) but is still running is still hung: its kill goes on,
+through the pidfd. Only where the kernel has no pidfds is a disconnect taken as "gone": a bare
+pid must not be signalled once nothing proves it is still the rank's.
+"""
+
+import heapq
+import logging
+import signal
+from typing import Callable, List, Optional
+
+from nvrx_core import events as ev
+from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft.watch import RankWatch
+from nvrx_core.proc import DUMP_WAIT_LIMIT
+
+logger = logging.getLogger("nvrx.ft.monitor")
+
+
+class Scheduler:
+    """Timed actions, earliest first; a cancelled action is skipped when it comes due."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock = clock
+        self._heap: List[list] = []
+        self._seq = 0
+
+    def at(self, when: float, action: Callable[[], None]) -> list:
+        self._seq += 1
+        entry = [when, self._seq, action]
+        heapq.heappush(self._heap, entry)
+        return entry
+
+    @staticmethod
+    def cancel(entry: list) -> None:
+        entry[2] = None
+
+    def next_time(self) -> Optional[float]:
+        while self._heap and self._heap[0][2] is None:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def run_due(self) -> None:
+        while self._heap and self._heap[0][0] <= self._clock():
+            _, _, action = heapq.heappop(self._heap)
+            if action is not None:
+                action()
+
+
+SendSignal = Callable[[RankWatch, int], bool]
+EXIT_POLL = 0.05
+"""Seconds between looks at a disconnected rank's pidfd while its kill has steps pending."""
+
+
+def signal_by_handle(w: RankWatch, sig: int) -> bool:
+    """Send `sig` to the rank's process through its pidfd; False once it has exited."""
+    return w.proc is not None and w.proc.send_signal(sig)
+
+
+class Killer:
+    """Runs the kill sequence of hung ranks (see the module docstring)."""
+
+    def __init__(self, cfg: FTConfig, events: ev.EventLog, scheduler: Scheduler, clock: Callable[[], float],
+                 send_signal: SendSignal, report_stacks: Callable[[RankWatch], None]):
+        self.cfg = cfg
+        self.events = events
+        self._sched = scheduler
+        self._clock = clock
+        self._send = send_signal
+        self._report_stacks = report_stacks
+
+    def begin(self, w: RankWatch, reason: str, overdue: float) -> None:
+        w.expired = True
+        logger.error("rank %d (pid %d) hung: %s; dumping its stacks, then terminating it", w.rank, w.pid, reason)
+        self.events.emit(
+            ev.FAULT_DETECTED, rank=w.rank, cycle=w.cycle, fault="hang", reason=reason,
+            pid=w.pid, open_sections=sorted(w.open_sections), overdue_s=round(overdue, 3),
+        )
+        if self._send(w, self.cfg.stack_dump_signal):
+            self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
+                             signal=self.cfg.stack_dump_signal.name)
+        sent = self._clock()
+        self._then(w, sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, waited=False))
+
+    def rank_disconnected(self, w: RankWatch) -> None:
+        """The rank's connection closed: cancel what is left of its kill once its process is gone.
+
+        The socket closes a moment before the process counts as exited (its files are closed
+        first), so a process still running is looked at again every EXIT_POLL seconds while
+        kill steps are pending."""
+        w.connected = False
+        if not w.pending:
+            self._release_if_done(w)
+        elif w.proc is None or not w.proc.by_pidfd or w.proc.exited():
+            for entry in w.pending:
+                Scheduler.cancel(entry)
+            w.pending.clear()
+            self._release_if_done(w)
+        else:
+            self._sched.at(self._clock() + EXIT_POLL, lambda: self.rank_disconnected(w))
+
+    def _then(self, w: RankWatch, when: float, step: Callable[[], None]) -> None:
+        def run():
+            w.pending[:] = [e for e in w.pending if e is not entry]
+            step()
+            self._release_if_done(w)
+        entry = self._sched.at(when, run)
+        w.pending.append(entry)
+
+    @staticmethod
+    def _release_if_done(w: RankWatch) -> None:
+        """Close the pidfd once neither the connection nor a kill step needs it."""
+        if not w.connected and not w.pending and w.proc is not None:
+            w.proc.close()
+
+    def _dump_pending(self, w: RankWatch) -> bool:
+        return w.proc is not None and w.proc.signal_pending(self.cfg.stack_dump_signal)
+
+    def _terminate_after_dump(self, w: RankWatch, sent: float, waited: bool) -> None:
+        """Terminate once the rank has taken the dump signal, or after DUMP_WAIT_LIMIT."""
+        now = self._clock()
+        if now - sent < DUMP_WAIT_LIMIT and self._dump_pending(w):
+            self._then(w, now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
+        elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
+            self._then(w, now + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, False))
+        else:
+            self._report_stacks(w)
+            self._terminate(w)
+
+    def _terminate(self, w: RankWatch) -> None:
+        sig = self.cfg.rank_termination_signal
+        if not self._send(w, sig):
+            return
+        self._send(w, signal.SIGCONT)  # a stopped (SIGSTOP) rank must run to act on SIGTERM
+        self.events.emit(ev.RANK_KILLED, rank=w.rank, cycle=w.cycle, pid=w.pid, signal=sig.name)
+        if sig != signal.SIGKILL:
+            self._then(w, self._clock() + self.cfg.termination_grace, lambda: self._escalate(w))
+
+    def _escalate(self, w: RankWatch) -> None:
+        if self._send(w, signal.SIGKILL):
+            logger.error("rank %d (pid %d) survived %s; sent SIGKILL", w.rank, w.pid,
+                         self.cfg.rank_termination_signal.name)

@@ -1,0 +1,109 @@
+"""A NodeMonitor serving from a thread of the test process, and ranks as real child processes.
+
+The monitor object is real (sockets, JSON lines, deadlines, pidfds); only what a test
+chooses is injected (signals recorded, credentials). Ranks run tests/scripts/ft_rank.py: a
+real RankMonitorClient in a process of its own, which the monitor may really signal.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+from nvrx_core.events import EventLog, read_events
+from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft.kills import signal_by_handle
+from nvrx_core.ft.monitor import NodeMonitor
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+class MonitorThread:
+    """`listener`: serve on a copy of this listening socket (a 'restarted' monitor), else a new one."""
+
+    def __init__(self, tmp_path, listener=None, config=None, **monitor_kwargs):
+        self.path = str(tmp_path / "m.sock")
+        if listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(self.path)
+            listener.listen(64)
+        self.listener = listener
+        self.signals = []  # (pid, signal) of every signal the monitor delivered, in order
+        self.events_file = str(tmp_path / "events.jsonl")
+
+        self.attempts = []  # (pid, signal) of every signal it tried to send
+
+        def record_then_send(watch, sig):
+            self.attempts.append((watch.pid, signal.Signals(sig)))
+            delivered = signal_by_handle(watch, sig)
+            if delivered:
+                self.signals.append((watch.pid, signal.Signals(sig)))
+            return delivered
+
+        monitor_kwargs.setdefault("send_signal", record_then_send)
+        self.monitor = NodeMonitor(listener.dup(), config or FTConfig(stack_dump_grace=0.05),
+                                   EventLog(self.events_file, source="monitor"), **monitor_kwargs)
+        self._stop = False
+        self._paused = False
+        self._polling = threading.Lock()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self._stop:
+            with self._polling:
+                if not self._paused:
+                    self.monitor.poll(0.02)
+            if self._paused:
+                threading.Event().wait(0.01)
+
+    def pause(self):
+        """Stop serving (like a SIGSTOPped monitor), once the current poll is over."""
+        self._paused = True
+        with self._polling:
+            pass
+
+    def resume(self):
+        self._paused = False
+
+    def watch(self, pid):
+        """The watch of the connected rank `pid` (None if not connected)."""
+        for conn in list(self.monitor._conns.values()):
+            if conn.watch is not None and conn.watch.pid == pid:
+                return conn.watch
+        return None
+
+    def events(self, kind):
+        return [e for e in read_events(self.events_file) if e["kind"] == kind]
+
+    def close(self):
+        """Stop and close the monitor (its connections end); the listener given stays open."""
+        self._stop = True
+        self.thread.join(10)
+        self.monitor.close()
+
+
+class Rank:
+    """tests/scripts/ft_rank.py connected to the monitor at `socket_path`."""
+
+    def __init__(self, socket_path, rank=0):
+        env = dict(os.environ, NVRX_FT_MONITOR_SOCKET=socket_path, RANK=str(rank), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "ft_rank.py")], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        line = self.proc.stdout.readline()
+        assert line == "ready\n", line
+        self.pid = self.proc.pid
+
+    def do(self, *commands):
+        for command in commands:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            assert line == f"ok {command.split()[0]}\n", line
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
