@@ -27,7 +27,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.ft.monitor_handle import MonitorHandle
+from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
 
 logger = logging.getLogger("nvrx.ft.launcher")
@@ -168,16 +168,33 @@ class FaultTolerantAgent(LocalElasticAgent):
         worker_group.master_port = int(port)
 
     def _start_workers(self, worker_group: WorkerGroup) -> Dict[int, int]:
-        self.monitor.new_cycle(self.attempt)
+        self._supervise_monitor()
+        try:
+            self.monitor.new_cycle(self.attempt)
+        except MonitorLost as e:
+            raise LauncherStop(ExitCode.MONITOR_LOST, str(e)) from None
+        except OSError as e:  # a stopped monitor: its progress record for this cycle is off, nothing else
+            logger.warning("the node monitor did not take the new cycle: %s", e)
         self._failure_reported = False
         pids = super()._start_workers(worker_group)
+        self.monitor.workers_started({w.global_rank: pids[w.local_rank] for w in worker_group.workers
+                                      if w.local_rank in pids})
         self._worker_groups = set(pids.values())  # each worker leads its own process group
         self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
                          pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
         return pids
 
     # ---- monitor / restart -----------------------------------------------------
+    def _supervise_monitor(self) -> None:
+        """No rank may run unwatched: restart the node monitor if it died (before each cycle and
+        every monitor_interval while workers run); stop the job if it keeps dying."""
+        try:
+            self.monitor.ensure_running()
+        except MonitorLost as e:
+            raise LauncherStop(ExitCode.MONITOR_LOST, str(e)) from None
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        self._supervise_monitor()
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._failure_reported:
             self._failure_reported = True
@@ -202,6 +219,8 @@ class FaultTolerantAgent(LocalElasticAgent):
         limit = self.settings.max_no_progress_restarts
         try:
             stats = self.monitor.cycle_stats()
+        except MonitorLost as e:
+            raise LauncherStop(ExitCode.MONITOR_LOST, str(e)) from None
         except OSError as e:
             logger.warning("could not read progress from the node monitor: %s", e)
             return
