@@ -86,7 +86,7 @@ def test_a_restarted_monitor_kills_an_adopted_rank_that_never_re_registers(tmp_p
     unenforced = FTConfig(rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None)  # grace: the floor
     second = MonitorThread(tmp_path, listener=first.listener, config=unenforced,
                            adopt={0: ProcessHandle.open(stopped.pid), 1: ProcessHandle.open(live.pid)},
-                           reregister_floor=3.0)
+                           reregister_floor=5.0)
     cleanup(second)
     assert stopped.proc.wait(timeout=60) == -signal.SIGKILL
     [detected] = second.events("fault_detected")
