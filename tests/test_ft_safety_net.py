@@ -16,7 +16,7 @@ import time
 import pytest
 
 from launcher_util import _dump_workers, kinds
-from nvrx_core.events import read_events
+from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
 from waiting import wait_for
 
@@ -98,6 +98,26 @@ def train(tmp_path, *job_flags, steps=30, step_time=0.02, events_file=None, ft_f
         *TRAIN, "--steps", str(steps), "--step-time", str(step_time), "--ckpt-dir", str(tmp_path / "ckpt"),
         "--hash-file", str(tmp_path / "weights.sha"), "--progress", *job_flags,
     ]
+
+
+@pytest.mark.parametrize("where", ["/dev/full", "/proc/self/no/such/dir/events.jsonl", "under_a_file"])
+def test_an_events_file_that_cannot_be_written_warns_once_and_never_raises(tmp_path, caplog, where):
+    """Every part (launcher, node monitor, in-process monitor, ranks) emits through EventLog."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory should be")
+    path = str(blocker / "events.jsonl") if where == "under_a_file" else where
+    caplog.set_level("INFO", logger="nvrx.events")
+    log = EventLog(path, source="test")  # creating its directory fails too, for two of them
+    records = [log.emit("fault_detected", i=i) for i in range(50)]
+    assert [r["i"] for r in records] == list(range(50))
+    assert len([r for r in caplog.records if "cannot write the events file" in r.getMessage()]) == 1
+    assert len([r for r in caplog.records if "not written to" in r.getMessage()]) == 50  # still in the log
+    if where == "under_a_file":  # room again: writes resume
+        blocker.unlink()
+        blocker.mkdir()
+        log.emit("training_resumed")
+        assert [e["kind"] for e in read_events(path)] == ["training_resumed"]
+        assert any("writable again" in r.getMessage() for r in caplog.records)
 
 
 def test_unwritable_events_file_neither_stops_training_nor_hang_detection(tmp_path, launcher):
