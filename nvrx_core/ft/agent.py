@@ -15,7 +15,6 @@ subclass only hooks into its extension points:
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -29,6 +28,7 @@ from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
+from nvrx_core.torch_compat import check_agent_hooks, restarts_left
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -123,11 +123,6 @@ class FaultTolerantAgent(LocalElasticAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         started = time.monotonic()
-        # The workers never use the rendezvous's TCPStore (they get this agent's fresh store),
-        # so torch's c10d handler must not share it either: its sharing path publishes the
-        # master address only in the first round in which a node is rank 0, and a node that
-        # joins later (--nnodes 1:2) then waits for that key until the store times out.
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         super()._rendezvous(worker_group)
         self._serve_fresh_worker_store(worker_group)
         self.events.emit(
@@ -211,7 +206,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         self._check_progress()
         self.attempt += 1
         self.events.emit(ev.RESTART_BEGUN, cycle=self.attempt,
-                         remaining_restarts=self._remaining_restarts, failed_ranks=sorted(self.last_failures))
+                         remaining_restarts=restarts_left(self), failed_ranks=sorted(self.last_failures))
         super()._restart_workers(worker_group)
 
     def _check_progress(self) -> None:
@@ -247,3 +242,6 @@ class FaultTolerantAgent(LocalElasticAgent):
         super()._shutdown(*args, **kwargs)
         kill_process_groups(self._worker_groups)
         self._worker_groups = set()
+
+
+check_agent_hooks(FaultTolerantAgent)

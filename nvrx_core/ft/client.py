@@ -13,13 +13,11 @@ tolerance is a trap this avoids).
 """
 
 import contextlib
-import faulthandler
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import IO, Callable, Dict, Iterator, Optional
@@ -29,7 +27,9 @@ from nvrx_core.durable import atomic_write_json
 from nvrx_core.ft.client_link import MonitorLink, read_reply
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
+from nvrx_core.signals import FaultHandlerDump, SignalClaim, default_registry
 
+STACK_DUMP_OWNER = "ft.client"
 logger = logging.getLogger("nvrx.ft.client")
 
 MONITOR_SOCKET_ENV = "NVRX_FT_MONITOR_SOCKET"
@@ -74,6 +74,7 @@ class RankMonitorClient:
         """What the monitor enforces for this rank, after the last update."""
         self._dump_signal: Optional[signal.Signals] = None
         self._dump_file: Optional[IO[str]] = None
+        self._dump_claim: Optional[SignalClaim] = None
 
     @property
     def is_active(self) -> bool:
@@ -143,9 +144,17 @@ class RankMonitorClient:
                 self._dump_file = open(path, "w")
             except OSError as e:
                 logger.warning("stack dumps go to stderr: cannot open %s: %s", path, e)
-        faulthandler.register(self._dump_signal, file=self._dump_file or sys.stderr, all_threads=True)
+        self._claim_stack_dump(self._dump_file)
         if old is not None:
             old.close()
+
+    def _claim_stack_dump(self, file: Optional[IO[str]]) -> None:
+        """Hold the dump signal in the process's signal registry (owner "ft.client"): a dump
+        claim shares the signal with the in-process Wrapper's dump (this one's file wins while
+        held); a Python handler on it (another part configured with the same signal) is
+        refused with both owners named. Works from the link's reconnect thread too."""
+        self._dump_claim = default_registry().claim(
+            self._dump_signal, STACK_DUMP_OWNER, FaultHandlerDump(file, all_threads=True), replace=True)
 
     def shutdown_workload_monitoring(self) -> None:
         """Tell the monitor this rank is leaving on purpose (no hang), then disconnect."""
@@ -154,7 +163,7 @@ class RankMonitorClient:
         link, self._link = self._link, None
         link.close(farewell=encode("bye"))
         if self._dump_file is not None:  # the monitor removes the file: later dumps go to stderr
-            faulthandler.register(self._dump_signal, file=sys.stderr, all_threads=True)
+            self._claim_stack_dump(None)
             self._dump_file.close()
             self._dump_file = None
 
@@ -322,14 +331,6 @@ class RankMonitorClient:
 
 def _all_reduce_max(values: list) -> list:
     """Max over all ranks; a plain copy when torch.distributed is not initialised."""
-    import torch
-    import torch.distributed as dist
+    from nvrx_core.collectives import all_reduce_max  # imports torch: only when timeouts are calculated
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(values)
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()).lower():
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.cpu().tolist()
+    return all_reduce_max([float(v) for v in values])

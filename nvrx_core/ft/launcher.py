@@ -140,6 +140,11 @@ def resolve_rendezvous(args) -> None:
 def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
     config, entrypoint, entrypoint_args = config_from_args(args)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # The workers never use the rendezvous's TCPStore (each round gets the agent's fresh
+    # store), so torch's c10d handler must not share it either: its sharing path publishes
+    # the master address only in the first round in which a node is rank 0, and a node that
+    # joins later (--nnodes 1:2) then waits for that key until the store times out.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     warm = args.warm_start and isinstance(entrypoint, str) and not args.no_python
     if warm:
         kind, target_args = split_python_command(entrypoint_args)
