@@ -2,7 +2,8 @@
 
 Each client runs inside its own launcher (ours; nvidia-resiliency-ext 0.4.1's ft_launcher
 from the venv given by --peer-python), talking to that launcher's real monitor. Medians of
---runs launcher runs, each itself a median over batches of calls.
+--runs launcher runs, each itself a median over batches of calls: paced (a call per step,
+the realistic case) and in bursts faster than any monitor reads (bench/_overhead_job.py).
 
     python bench/overhead.py --peer-python .venv-peer/bin/python
 """
@@ -14,16 +15,21 @@ import statistics
 import subprocess
 import sys
 
+from _baseline import Baseline
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_overhead_job.py")
 FLAGS = ["--nproc-per-node", "1", "--ft-rank-section-timeouts", "step:600", "--ft-rank-heartbeat-timeout", "600",
          "--ft-initial-rank-heartbeat-timeout", "600"]
 
 
-def measure(launcher: list, client: str) -> dict:
+def measure(launcher: list, client: str, baseline: Baseline = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*launcher, *FLAGS, JOB, "--client", client, "--batches", "15", "--batch", "1000"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    cwd = None
+    if baseline is not None:  # `-m` resolves in the cwd first
+        cmd, env, cwd = baseline.command(cmd), baseline.env(env), baseline.tree
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
     for line in out.stdout.splitlines():
         if "RESULT {" in line:  # the peer's launcher may prefix or suffix worker lines
             return json.JSONDecoder().raw_decode(line[line.index("RESULT {") + len("RESULT "):])[0]
@@ -35,21 +41,37 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer-python", default=None)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--baseline", metavar="REV", help="also measure ours at this git revision, as a peer")
     args = parser.parse_args()
+    baseline = Baseline(args.baseline) if args.baseline else None
+    try:
+        return run(args, baseline)
+    finally:
+        if baseline is not None:
+            baseline.close()
+
+
+def run(args, baseline) -> int:
     ours_cmd = [sys.executable, "-m", "nvrx_core.ft.launcher"]
     peer_launcher = os.path.join(os.path.dirname(args.peer_python), "ft_launcher") if args.peer_python else None
-    runs = {"ours": [], "peer": []}
+    runs = {"ours": [], "peer": [], "baseline": []}
     for _ in range(args.runs):  # interleaved, so machine load hits both alike
         runs["ours"].append(measure(ours_cmd, "ours"))
         if peer_launcher and os.path.exists(peer_launcher):
             runs["peer"].append(measure([peer_launcher], "nvrx"))
-    for key, label in (("heartbeat_us", "heartbeat"), ("section_us", "section_open_close")):
+        if baseline is not None:
+            runs["baseline"].append(measure(ours_cmd, "ours", baseline))
+    for key, label in (("heartbeat_us", "heartbeat"), ("section_us", "section_open_close"),
+                       ("heartbeat_burst_us", "heartbeat_burst"), ("section_burst_us", "section_open_close_burst")):
         ours = statistics.median(r[key] for r in runs["ours"])
         if runs["peer"]:
             peer = statistics.median(r[key] for r in runs["peer"])
             print(f"{label}: ours {ours:.2f} us, peer(nvrx-0.4.1) {peer:.2f} us, ratio {ours / peer:.3f}")
         else:
             print(f"{label}: ours {ours:.2f} us, peer(nvrx-0.4.1) not run (no --peer-python)")
+        if runs["baseline"]:
+            before = statistics.median(r[key] for r in runs["baseline"] if key in r)
+            print(f"{label}: ours {ours:.2f} us, peer({baseline.label}) {before:.2f} us, ratio {ours / before:.3f}")
     return 0
 
 

@@ -44,8 +44,8 @@ def run_once(name: str, fault: str, peer_python: str, limit: float, baseline: Ba
     env.pop("NVRX_EVENTS_FILE", None)
     if baseline is not None:
         cmd, env = baseline.command(cmd), baseline.env(env)
-    with open(os.path.join(workdir, "launcher.log"), "w") as log:
-        code = run_group(cmd, log, env, limit)
+    with open(os.path.join(workdir, "launcher.log"), "w") as log:  # `-m` resolves in the cwd first
+        code = run_group(cmd, log, env, limit, cwd=baseline.tree if baseline else None)
     records = []
     try:
         with open(os.path.join(workdir, "timeline.jsonl")) as f:
