@@ -27,8 +27,8 @@ def measure(launcher: list, client: str, baseline: Baseline = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [*launcher, *FLAGS, JOB, "--client", client, "--batches", "15", "--batch", "1000"]
     cwd = None
-    if baseline is not None:  # `-m` resolves in the cwd first
-        cmd, env, cwd = baseline.command(cmd), baseline.env(env), baseline.tree
+    if baseline is not None:  # this job file, that tree's code (`-m` resolves in the cwd first)
+        env, cwd = baseline.env(env), baseline.tree
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=cwd)
     for line in out.stdout.splitlines():
         if "RESULT {" in line:  # the peer's launcher may prefix or suffix worker lines
@@ -70,7 +70,7 @@ def run(args, baseline) -> int:
         else:
             print(f"{label}: ours {ours:.2f} us, peer(nvrx-0.4.1) not run (no --peer-python)")
         if runs["baseline"]:
-            before = statistics.median(r[key] for r in runs["baseline"] if key in r)
+            before = statistics.median(r[key] for r in runs["baseline"])
             print(f"{label}: ours {ours:.2f} us, peer({baseline.label}) {before:.2f} us, ratio {ours / before:.3f}")
     return 0
 
