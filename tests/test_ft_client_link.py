@@ -131,3 +131,20 @@ def test_a_monitor_that_keeps_dying_is_given_up(tmp_path, cleanup):
     handle.process.wait()
     with pytest.raises(MonitorLost, match="died 3 times"):
         handle.ensure_running()
+
+
+def test_shutdown_gives_the_stack_dump_signal_back(tmp_path, cleanup):
+    """Undo what you install: after shutdown another part of the job may claim the signal
+    (preemption on SIGUSR2 in the same process used to be refused: the client kept it)."""
+    from nvrx_core.signals import default_registry
+
+    monitor = MonitorThread(tmp_path)
+    cleanup(monitor)
+    client = RankMonitorClient(socket_path=monitor.path)
+    registry = default_registry()
+    assert registry.is_free(signal.SIGUSR2)
+    client.init_workload_monitoring()
+    assert "ft.client" in registry.owners().get("SIGUSR2", [])
+    client.shutdown_workload_monitoring()
+    assert registry.is_free(signal.SIGUSR2)
+    registry.claim(signal.SIGUSR2, "preemption", lambda *_: None).release()

@@ -63,4 +63,7 @@ def test_sigterm_to_one_worker_stops_the_job_with_exit_code_preempted(tmp_path, 
     events = read_events(events_file)
     assert not kinds(events, "restart_begun")  # preempted: requeue the job, do not restart in place
     assert {e["rank"] for e in kinds(events, "preemption_agreed")} == {0, 1}
-    assert {c for e in kinds(events, "workers_failed") for c in e["exit_codes"].values()} == {ExitCode.PREEMPTED}
+    codes = {c for e in kinds(events, "workers_failed") for c in e["exit_codes"].values()}
+    # The first rank to exit 18 ends the cycle; the agent then stops the other with SIGTERM,
+    # which may land while it is itself exiting with 18 (both reports above are written).
+    assert ExitCode.PREEMPTED in codes and codes <= {ExitCode.PREEMPTED, -signal.SIGTERM}, codes

@@ -162,8 +162,10 @@ class RankMonitorClient:
             return
         link, self._link = self._link, None
         link.close(farewell=encode("bye"))
-        if self._dump_file is not None:  # the monitor removes the file: later dumps go to stderr
-            self._claim_stack_dump(None)
+        if self._dump_claim is not None:  # undo what init installed: the signal is free again
+            self._dump_claim.release()
+            self._dump_claim = None
+        if self._dump_file is not None:  # the monitor removes the file
             self._dump_file.close()
             self._dump_file = None
 
