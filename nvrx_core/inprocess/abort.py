@@ -13,6 +13,20 @@ store clients were opened before the iteration, so they are kept. A connection t
 training function itself opened during the iteration (an HTTP client, say) is shut down
 too; it belongs to the failed iteration.
 
+A gloo group being created can wait for a peer's incoming connection (the pair whose address
+compares lower waits, the other connects). torch 2.13's gloo bounds that wait only by 5x the
+group timeout; when the peer gave up (its own connect failed: an ordinary exception there),
+nothing else ends it, and no socket exists yet for the abort to shut down: the waiting
+side sits in the ProcessGroupGloo constructor until the hard timeout kills it. The one
+event that ends the wait is a connection on the group's listening socket carrying the
+sequence number the pair waits for. So release_connection_waits() connects to each
+listening socket opened during the iteration and sends the small sequence numbers gloo
+uses (0..2*world+1, 8 bytes each, host order), closing each connection at once: the
+waiting pair gets a connection that ends immediately, the constructor raises ("Connection
+closed by peer"), and the pending interruption turns that into a restart. It runs only
+for an aborted iteration whose main thread is stuck inside process-group creation.
+Numbers no pair waits for are parked by the listener and freed with the group.
+
 Destroying an aborted group can block: ~ProcessGroupGloo joins its worker threads, and a
 worker that was running a collective queued behind the failed one can sit in a receive
 until the group's timeout (30 minutes by default), because gloo does not fail a receive
@@ -28,11 +42,14 @@ import gc
 import logging
 import os
 import socket
+import struct
 import threading
-from typing import List, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
+
+from nvrx_core import torch_compat
 
 logger = logging.getLogger("nvrx.inprocess")
 
@@ -62,18 +79,49 @@ class IterationConnections:
     def __init__(self, protected_local_port: Optional[int] = None):
         self.protected_local_port = protected_local_port
         self._baseline: Optional[Set[SocketId]] = None
+        self._adopted: Set[SocketId] = set()
 
     def begin(self) -> None:
         self._baseline = open_sockets()
 
-    def shut_down(self) -> int:
+    def adopt(self, sockets: Iterable[SocketId]) -> None:
+        """Sockets opened before the iteration that belong to it (shut down with it)."""
+        self._adopted = set(sockets)
+
+    def _ours(self) -> Set[SocketId]:
         if self._baseline is None:  # no iteration began: nothing is ours to shut down
-            return 0
+            return set()
+        now = open_sockets()
+        return (now - self._baseline) | (self._adopted & now)
+
+    def shut_down(self) -> int:
         count = 0
-        for fd, link in open_sockets() - self._baseline:
+        for fd, link in self._ours():
             if self._shut_down_one(fd, link):
                 count += 1
         return count
+
+    def listeners(self) -> List[Tuple[str, int]]:
+        """(host, port) of the TCP sockets listening since the iteration began."""
+        found = []
+        for fd, link in self._ours():
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                if (os.readlink(f"/proc/self/fd/{fd}") == link and sock.type == socket.SOCK_STREAM
+                        and sock.family in (socket.AF_INET, socket.AF_INET6)
+                        and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                    host, port = sock.getsockname()[:2]
+                    if host in ("0.0.0.0", "::"):
+                        host = "127.0.0.1" if sock.family == socket.AF_INET else "::1"
+                    found.append((host, port))
+            except OSError:
+                pass
+            finally:
+                sock.close()
+        return found
 
     def _shut_down_one(self, fd: int, link: str) -> bool:
         try:
@@ -97,14 +145,54 @@ class IterationConnections:
             sock.close()  # closes the dup only
 
 
+def peer_port(fd: int) -> Optional[int]:
+    """The remote port of a connected TCP socket, or None."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return sock.getpeername()[1]
+    except (OSError, IndexError, TypeError):
+        return None
+
+
+def release_connection_waits(listeners: Iterable[Tuple[str, int]], world_size: int, timeout: float = 0.5) -> int:
+    """Connect to each listener with sequence numbers 0..2*world_size+1 (see the module docstring).
+
+    Returns the connections made.
+    """
+    made = 0
+    for host, port in listeners:
+        for seq in range(2 * world_size + 2):
+            try:
+                with socket.create_connection((host, port), timeout=timeout) as conn:
+                    conn.sendall(struct.pack("=q", seq))
+                made += 1
+            except OSError as e:  # the listener is gone or full: nobody waits on it any more
+                logger.debug("releasing %s:%d (sequence %d): %s", host, port, seq, e)
+                break
+    return made
+
+
 def process_groups() -> List[dist.ProcessGroup]:
     """Every live process group (the default one first)."""
     if not (dist.is_available() and dist.is_initialized()):
         return []
-    world = dist.distributed_c10d._world  # no public API lists subgroups
-    groups = list(getattr(world, "pg_map", {}).keys())
+    groups = torch_compat.all_process_groups()
     default = dist.group.WORLD
     return sorted(groups, key=lambda g: g is not default)
+
+
+def reset_group_names() -> None:
+    """Let the next unnamed process group be named "0" again, on every rank alike.
+
+    c10d names a group by a process-wide counter, taken when creation begins, and store
+    keys carry the name. destroy_process_group() of the default group resets the counter,
+    but a rank whose init_process_group failed has no default group: its counter stays
+    ahead of the ranks that did create one. In the next iteration the ranks then wait for
+    each other under different names, a hang that repeats in every later iteration.
+    """
+    world = torch_compat.require(dist.distributed_c10d, "_world", "c10d's registry of process groups")
+    torch_compat.require(world, "group_count", "c10d's counter naming unnamed process groups")
+    world.group_count = 0
 
 
 class AbortProcessGroups:
@@ -131,7 +219,7 @@ class AbortProcessGroups:
         for group in process_groups():
             try:
                 if "nccl" in dist.get_backend(group):
-                    group._get_backend(torch.device("cuda")).abort()
+                    torch_compat.nccl_backend(group).abort()
             except Exception as e:  # a group being destroyed concurrently, or no NCCL backend
                 logger.debug("abort of %s skipped: %s", group, e)
         return self.connections.shut_down()
@@ -144,6 +232,8 @@ class AbortProcessGroups:
                 dist.destroy_process_group()
             except Exception as e:
                 logger.warning("destroy_process_group failed after abort: %s", e)
+        if dist.is_available():
+            reset_group_names()
         if self.empty_cuda_cache and torch.version.cuda is not None and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
