@@ -121,6 +121,16 @@ class InProcessConfig:
         layers = [load_yaml_section(yaml_path, YAML_SECTION)] if yaml_path else []
         return build(cls, *layers, overrides or {}, source=yaml_path or "InProcessConfig")
 
+    @property
+    def store_request_timeout(self) -> float:
+        """Longest wait of the watchdogs (monitor thread, monitor process) for one store answer.
+
+        A quarter of soft_timeout, within [0.5, 5] s: a store that stops answering delays
+        the soft timeout by about this much, and a request slower than this (a loaded store)
+        only skips one monitor tick.
+        """
+        return min(5.0, max(0.5, self.soft_timeout / 4))
+
     def signal_number(self, name: str) -> Optional[int]:
         value = getattr(self, name)
         return None if value is None else int(getattr(signal, value))

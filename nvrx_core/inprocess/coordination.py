@@ -11,6 +11,7 @@ Keys (under the call's prefix P):
   P/it<k>/arrive, .../arrived restart barrier of iteration k (counter, "r," list)
   P/it<k>/plan                the next iteration's plan (first writer wins)
   P/it<k>/done                active ranks that finished iteration k
+  P/it<k>/outcome             "completed" or "restart": how iteration k ended (first writer wins)
   P/it<k>/pg/...              the user's process group store for iteration k
   P/left                      ranks that left (the store host waits for them)
 
@@ -31,6 +32,7 @@ from nvrx_core.inprocess.records import Cause, InterruptionRecord
 logger = logging.getLogger("nvrx.inprocess")
 
 POLL_MIN, POLL_MAX = 0.002, 0.05
+COMPLETED, RESTART = "completed", "restart"
 
 
 class Poller:
@@ -46,14 +48,25 @@ class Poller:
 
 
 class HeartbeatWatch:
-    """Tracks when each watched counter last changed, on this process's monotonic clock."""
+    """Tracks when each watched counter last changed, on this process's monotonic clock.
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    Silence counts only while the watcher could see: when no update came for `blind_after`
+    seconds (the store did not answer, or this thread was not scheduled), the watched
+    ranks' silence restarts at the next update. After a store stall, every counter is
+    stale by the stall's length, and the ranks that wrote them are alive.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, blind_after: Optional[float] = None):
         self._clock = clock
+        self.blind_after = blind_after
         self._seen: Dict[int, Tuple[bytes, float]] = {}
+        self._last_update: Optional[float] = None
 
     def update(self, values: Dict[int, bytes]) -> None:
         now = self._clock()
+        if self.blind_after is not None and self._last_update is not None and now - self._last_update > self.blind_after:
+            self._seen = {rank: (value, now) for rank, (value, _) in self._seen.items()}
+        self._last_update = now
         for rank, value in values.items():
             old = self._seen.get(rank)
             if old is None or old[0] != value:
@@ -62,6 +75,11 @@ class HeartbeatWatch:
     def stale(self, timeout: float) -> List[int]:
         now = self._clock()
         return sorted(r for r, (_, changed) in self._seen.items() if now - changed > timeout)
+
+
+def blind_gap(heartbeat_interval: float) -> float:
+    """How long a heartbeat watcher may go without reading before it stops trusting its silence timer."""
+    return 2 * heartbeat_interval + 0.5
 
 
 class Coordinator:
@@ -152,6 +170,14 @@ class Coordinator:
     def mark_done(self, iteration: int) -> None:
         self.store.add(self.key(f"it{iteration}", "done"), 1)
 
+    def settle(self, iteration: int, outcome: str) -> str:
+        """Propose how iteration `iteration` ended (COMPLETED or RESTART); every rank gets the first proposal.
+
+        A rank that saw every active rank done and a rank that saw an interruption record
+        (written as the last rank returned) would otherwise end the iteration differently.
+        """
+        return self.store.compare_set(self.key(f"it{iteration}", "outcome"), "", outcome).decode()
+
     def done_count(self, iteration: int) -> int:
         return self.store.add(self.key(f"it{iteration}", "done"), 0)
 
@@ -177,7 +203,7 @@ class Coordinator:
         """
         members = set(members)
         deadline, poller = time.monotonic() + timeout, Poller()
-        watch, next_scan = HeartbeatWatch(), 0.0
+        watch, next_scan = HeartbeatWatch(blind_after=blind_gap(heartbeat_interval)), 0.0
         while True:
             arrivals = self.store.add(self.key(f"it{iteration}", "arrive"), 0)
             new_terms = self.terminated_count() - terminated_base

@@ -5,8 +5,13 @@ raises RestartRequested. A signal, rather than only an asynchronous exception, b
 also breaks blocking system calls (time.sleep, select, socket waits) that an asynchronous
 exception would wait out. A main thread blocked inside a collective is released by the
 abort (connections shut down), and the pending handler raises as soon as it returns.
-The handler only raises while the wrapped function runs ("armed"); inside `atomic()` it
-waits until the block ends.
+The handler only raises inside the wrapped function: MainThreadInterrupter.call() arms it
+around the call, and a handler that runs in call()'s own frame (the function has not
+started or has already returned) or while disarming only notes the request. The
+function's return can race with a request (the signal is taken at the next bytecode,
+which may be the Wrapper's); raised there, it would escape the Wrapper as a crash. How
+the iteration then ends (completion or restart) is settled through the store, the same
+on every rank. Inside `atomic()` the handler waits until the block ends.
 
 Progress: Py_AddPendingCall schedules a tiny callback that only the main thread runs,
 between two bytecodes. If it has not run for N seconds, the main thread has not
@@ -37,6 +42,8 @@ class MainThreadInterrupter:
         self._atomic_depth = 0
         self._deferred = False
         self._reason = ""
+        self.late_requests = 0
+        """Requests taken outside the function (before it started or after it returned)."""
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -60,6 +67,14 @@ class MainThreadInterrupter:
     def disarm(self) -> None:
         self._armed = False
 
+    def call(self, fn: Callable, *args, **kwargs):
+        """fn(*args, **kwargs) with interruptions armed; none is raised outside fn's own frames."""
+        self.arm()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.disarm()
+
     def request(self, reason: str) -> None:
         """Interrupt the main thread if it is in the wrapped function (callable from any thread)."""
         self._reason = reason
@@ -81,10 +96,17 @@ class MainThreadInterrupter:
     def _handle(self, signum, frame) -> None:
         if not self._armed:
             return
+        if frame is not None and frame.f_code in _OWN_FRAMES:  # fn has not started, or has returned
+            self.late_requests += 1
+            return
         if self._atomic_depth:
             self._deferred = True
             return
         raise RestartRequested(self._reason)
+
+
+_OWN_FRAMES = frozenset(f.__code__ for f in (MainThreadInterrupter.call, MainThreadInterrupter.arm,
+                                             MainThreadInterrupter.disarm))
 
 
 class MainThreadProgress:

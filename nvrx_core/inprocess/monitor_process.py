@@ -2,14 +2,29 @@
 
 A rank stuck in a C call that holds the GIL cannot interrupt itself: no thread of it can
 run. So each rank forks a small monitor process when the Wrapper starts. The rank's
-monitor thread writes "progress <t>" lines (t: the main thread's last progress, on the
-shared CLOCK_MONOTONIC) into a pipe; the monitor process:
+ProgressReporter thread, which never touches the store, writes "progress <t>" lines (on
+the shared CLOCK_MONOTONIC) into a pipe; the monitor process:
 - when the rank's last progress is older than hard_timeout: declares it terminated in
   the store, asks faulthandler for a stack dump (stack_dump_signal), then kills it
   (termination_signal, then SIGKILL after termination_grace);
 - declares the rank terminated (cause "exited") when it dies on its own: the pipe hits
   end-of-file, or the monitor's parent changes (the rank was its parent);
 - exits quietly on "stop", when the rank leaves the Wrapper normally.
+
+Nothing on that path waits for the store. Progress travels through the pipe, so a store
+that stops answering cannot starve the monitor of it. The declaration runs in a thread of
+the monitor process: the kill waits for it at most declare_wait (0.5 s), so that peers
+normally learn of the kill before it happens, and afterwards up to declare_timeout, so
+that they learn of it once the store answers again (until then, their heartbeat watch
+notices the silence).
+
+What counts as progress: while the wrapped function runs, the main thread's last Python
+bytecode (a C call holding or releasing the GIL longer than hard_timeout is a hang the
+soft timeout could not end). While the Wrapper's own code runs (restart barrier, waiting
+for the other ranks), its store requests can wait for a stalled store; there the reporter
+vouches for the rank as long as its own thread runs (so a C call holding the GIL is still
+caught) for up to machinery_allowance (barrier_timeout: the Wrapper's own waits give up by
+then) past the main thread's last bytecode.
 
 Forked rather than spawned: a fresh interpreter would import torch again (seconds of CPU
 per rank, on every start); the child only runs plain Python and, when it must declare a
@@ -21,6 +36,7 @@ import logging
 import os
 import selectors
 import signal
+import threading
 import time
 from typing import Callable, Optional
 
@@ -41,6 +57,10 @@ class MonitorSettings:
     log_path: Optional[str] = None
     stack_dump_signal: Optional[int] = None
     stack_dump_grace: float = 0.3
+    declare_wait: float = 0.5
+    """Longest delay of a kill for the declaration to reach the store first."""
+    declare_timeout: float = 30.0
+    """How long the monitor process keeps trying to declare a rank it killed or saw die."""
 
 
 class MonitorProcess:
@@ -97,6 +117,36 @@ class MonitorProcess:
             os.write(self._write_fd, line.encode())
         except BlockingIOError:
             pass  # the monitor is behind; a newer line follows
+
+
+class ProgressReporter(threading.Thread):
+    """Pokes the main thread and forwards its progress to the monitor process; never uses the store.
+
+    progress: a MainThreadProgress; in_function(): whether the wrapped function runs now.
+    """
+
+    def __init__(self, progress, monitor_process: MonitorProcess, in_function: Callable[[], bool], interval: float,
+                 machinery_allowance: float, clock: Callable[[], float] = time.monotonic):
+        super().__init__(name="nvrx-inprocess-progress", daemon=True)
+        self.progress, self.monitor_process, self.in_function = progress, monitor_process, in_function
+        self.interval, self.machinery_allowance, self._clock = interval, machinery_allowance, clock
+        self._stop_event = threading.Event()
+
+    def reported(self, now: float) -> float:
+        """The progress time the monitor process is told (see the module docstring)."""
+        last = self.progress.last
+        if self.in_function():
+            return last
+        return max(last, min(now, last + self.machinery_allowance))
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            self.progress.poke()
+            self.monitor_process.report_progress(self.reported(self._clock()))
+
+    def shutdown(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
 
 
 class _Watcher:
@@ -163,9 +213,11 @@ class _Watcher:
         pid, settings = self.rank_pid, self.settings
         detail = f"no progress for {stalled:.1f} s > hard_timeout={settings.hard_timeout} s"
         logger.error("rank %d (pid %d): %s; killing it", settings.rank, pid, detail)
-        # Declared first: peers stop waiting for it, and if a signal below wakes it up, it
-        # finds itself out of the job instead of rejoining for the moment before it dies.
-        self._declare_safely(Cause.HARD_TIMEOUT, detail)
+        # Declared first when the store answers at once: peers stop waiting for it, and if a
+        # signal below wakes it up, it finds itself out of the job instead of rejoining for
+        # the moment before it dies. A store that does not answer does not delay the kill.
+        declaring = self._declare_in_background(Cause.HARD_TIMEOUT, detail)
+        declaring.join(settings.declare_wait)
         if settings.stack_dump_signal is not None:  # faulthandler in the rank prints every thread's stack
             _signal(pid, settings.stack_dump_signal)
             proc.wait_until_taken(pid, settings.stack_dump_signal, settings.stack_dump_grace,
@@ -180,15 +232,27 @@ class _Watcher:
         if proc.alive(pid) and os.getppid() == pid:
             logger.error("rank %d (pid %d) survived the termination signal; sending SIGKILL", settings.rank, pid)
             _signal(pid, signal.SIGKILL)
+        self._finish_declaring(declaring)
         return 0
 
     def _rank_gone(self, detail: str) -> int:
         logger.error("rank %d: %s", self.settings.rank, detail)
-        self._declare_safely(Cause.EXITED, detail)
+        self._finish_declaring(self._declare_in_background(Cause.EXITED, detail))
         return 0
 
-    def _declare_safely(self, cause: Cause, detail: str) -> None:
+    def _declare_in_background(self, cause: Cause, detail: str) -> threading.Thread:
         self.events.emit(RANK_TERMINATED, cause=cause.value, detail=detail)
+        thread = threading.Thread(target=self._declare_safely, args=(cause, detail), daemon=True)
+        thread.start()
+        return thread
+
+    def _finish_declaring(self, thread: threading.Thread) -> None:
+        thread.join(self.settings.declare_timeout)
+        if thread.is_alive():
+            logger.error("rank %d: the store did not take the declaration within %.0f s; peers will notice the "
+                         "silence", self.settings.rank, self.settings.declare_timeout)
+
+    def _declare_safely(self, cause: Cause, detail: str) -> None:
         try:
             self.declare(cause, detail)
         except Exception as e:  # the store may have died with the rank (rank 0 hosted it)
