@@ -266,7 +266,7 @@ def test_clear_frames_frees_what_chained_errors_kept_alive():
     import gc
     import weakref
 
-    from nvrx_core.inprocess.wrapper import _clear_frames
+    from nvrx_core.inprocess.errors import clear_frames
 
     class Group:
         pass
@@ -289,7 +289,7 @@ def test_clear_frames_frees_what_chained_errors_kept_alive():
     except BaseException as e:
         error = e
     assert refs[0]() is not None and isinstance(error.__context__, RuntimeError)
-    _clear_frames(error)
+    clear_frames(error)
     gc.collect()
     assert refs[0]() is None
 

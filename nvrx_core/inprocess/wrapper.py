@@ -14,34 +14,33 @@ imported modules, the CUDA context and whatever the function kept in memory surv
 """
 
 import dataclasses
-import faulthandler
 import functools
 import gc
 import inspect
 import logging
 import os
-import signal
 import socket
 import time
-import traceback
 import typing
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from nvrx_core import events as ev
-from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections
+from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections, open_sockets, peer_port
 from nvrx_core.inprocess.config import InProcessConfig
+from nvrx_core.inprocess.coordination import COMPLETED as SETTLED_COMPLETED
+from nvrx_core.inprocess.coordination import RESTART as SETTLED_RESTART
 from nvrx_core.inprocess.coordination import Coordinator, Poller
-from nvrx_core.inprocess.errors import InProcessGaveUp, RankExcluded, RestartRequested
+from nvrx_core.inprocess.errors import (InProcessGaveUp, RankExcluded, RestartRequested, clear_frames,
+                                        is_communication_error)
 from nvrx_core.inprocess.health_gate import HealthGate
-from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
-from nvrx_core.inprocess.monitor_process import MonitorProcess, MonitorSettings
-from nvrx_core.inprocess.monitor_thread import MonitorThread
+from nvrx_core.inprocess.interruption import MainThreadInterrupter
 from nvrx_core.inprocess.planning import ACTIVE, OUT, Plan, first_plan, next_plan
 from nvrx_core.inprocess.rank_assignment import Policy, default_policy
 from nvrx_core.inprocess.records import (ABORTED, COMPLETED, EXCLUDED, GAVE_UP, INTERRUPTED, REASSIGNED, RESTARTED,
                                          Cause)
 from nvrx_core.inprocess.state import RestartState
 from nvrx_core.inprocess.store import StoreClients, endpoint_from_env
+from nvrx_core.inprocess.watchdogs import Watchdogs
 
 logger = logging.getLogger("nvrx.inprocess")
 
@@ -94,31 +93,6 @@ def _state_parameter(fn: Callable) -> Optional[str]:
     return None
 
 
-def _clear_frames(error: BaseException) -> None:
-    """Drop the locals of every frame in the error's tracebacks, chained errors included.
-
-    Those locals (a DDP model, a process group resolved inside torch.distributed) keep the
-    failed iteration's groups alive. Freed here, while the Wrapper still holds the groups,
-    their last reference dies in the reaper thread, not later in the main thread, where
-    destroying a group whose gloo worker waits out its timeout would stall the rank.
-    """
-    pending, seen = [error], set()
-    while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
-            continue
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        pending += [error.__cause__, error.__context__]
-
-
-def _is_communication_error(error: BaseException) -> bool:
-    """A collective that failed, most likely because another rank did (logged without a traceback)."""
-    import torch.distributed as dist
-
-    return isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "NCCL" in str(error)
-
-
 class _Call:
     """One invocation of a wrapped function: setup, the restart loop, teardown."""
 
@@ -134,31 +108,33 @@ class _Call:
         self.events = ev.EventLog.from_env(source="inprocess")
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}
         self.completed = False
-        self.coord = self.abort = self.interrupter = self.monitor = self.monitor_process = None
+        self.coord = self.abort = self.interrupter = self.monitor = self.watchdogs = None
+        self.state_client, self.state_sockets = None, set()
         self.froze_gc = False
 
     # ---- setup / teardown --------------------------------------------------------------
     def run(self, args: Tuple, kwargs: Dict) -> Any:
         self.config.check_world(self.world_size)
         endpoint = endpoint_from_env(os.environ)
+        self.endpoint = endpoint
         self.clients = StoreClients(endpoint, self.rank, self.world_size, timeout=self.config.barrier_timeout)
         prefix = f"{endpoint.key_prefix}/{self.name}"
         try:
             self.coord = Coordinator(self.clients.connect(), prefix, self.rank)
+            # Every connection is opened before the barrier, where a slow one costs nothing (store.py).
+            self.watchdogs = Watchdogs(self.config, self.clients, prefix, self.rank)
+            self.watchdogs.connect()
+            protected = endpoint.port if self.clients.server is not None else None
+            self.abort = AbortProcessGroups(IterationConnections(protected), self.config.empty_cuda_cache)
+            self._connect_state_client()
             self.nodes = self.coord.initial_barrier(self.node, self.world_size, self.config.barrier_timeout)
             # Objects that exist now (modules, torch internals) are not garbage from a failed
             # iteration: keep them out of the full collection every restart runs (0.2-0.7 s).
             gc.freeze()
             self.froze_gc = True
-            protected = endpoint.port if self.clients.server is not None else None
-            self.abort = AbortProcessGroups(IterationConnections(protected), self.config.empty_cuda_cache)
             self.interrupter = MainThreadInterrupter(self.config.signal_number("interrupt_signal"))
             self.interrupter.install()
-            self.monitor_process = self._start_monitor_process(prefix)
-            self.monitor = MonitorThread(Coordinator(self.clients.connect(), prefix, self.rank), self.config,
-                                         self.interrupter, MainThreadProgress(), self.abort,
-                                         self.monitor_process, self.events)
-            self.monitor.start()
+            self.monitor = self.watchdogs.start(self.interrupter, self.abort, self.events)
             return self._loop(first_plan(self.nodes, self.config), args, kwargs)
         except BaseException as e:
             self._leave_abnormally(e)
@@ -166,28 +142,16 @@ class _Call:
         finally:
             self._teardown()
 
-    def _start_monitor_process(self, prefix: str) -> MonitorProcess:
-        log_path = None
-        if self.config.monitor_log_dir:
-            os.makedirs(self.config.monitor_log_dir, exist_ok=True)
-            log_path = os.path.join(self.config.monitor_log_dir, f"monitor_rank{self.rank}.log")
-        settings = MonitorSettings(self.rank, self.config.hard_timeout, self.config.termination_grace,
-                                   self.config.signal_number("termination_signal"),
-                                   min(self.config.monitor_interval, 0.5), log_path,
-                                   self.config.signal_number("stack_dump_signal"))
-        dump = settings.stack_dump_signal
-        if dump is not None and signal.getsignal(dump) == signal.SIG_DFL:  # no Python handler claims it
-            # Left registered afterwards: ft_launcher's node monitor expects the same stack dump
-            # on this signal, and a dump is a better default than dying.
-            faulthandler.register(dump, all_threads=True, chain=False)
-        clients, rank = self.clients, self.rank
+    def _connect_state_client(self) -> None:
+        """The client behind RestartState.store, opened ahead of the iteration that uses it.
 
-        def declare(cause: Cause, detail: str) -> None:  # runs in the monitor process
-            Coordinator(clients.connect(), prefix, rank).mark_terminated(rank, cause, detail)
-
-        process = MonitorProcess(settings, declare)
-        process.start()
-        return process
+        The iteration adopts its socket: the abort shuts it down with the iteration's own
+        connections (a store wait inside init_process_group fails at once), and the restart
+        path opens the next one before its barrier.
+        """
+        before = open_sockets()
+        self.state_client = self.clients.connect()
+        self.state_sockets = {s for s in open_sockets() - before if peer_port(s[0]) == self.endpoint.port}
 
     def _leave_abnormally(self, error: BaseException) -> None:
         """Leaving with an error peers cannot see: declare this rank gone so nobody waits for it."""
@@ -201,10 +165,8 @@ class _Call:
     def _teardown(self) -> None:
         if self.interrupter is not None:
             self.interrupter.disarm()
-        if self.monitor is not None:
-            self.monitor.shutdown()
-        if self.monitor_process is not None:
-            self.monitor_process.stop()
+        if self.watchdogs is not None:
+            self.watchdogs.stop()
         if self.abort is not None:
             if not self.completed:
                 self.abort.destroy()
@@ -226,6 +188,7 @@ class _Call:
                     self.coord.wait_for_leavers(expected, timeout=min(self.config.barrier_timeout, 30.0))
         except Exception as e:
             logger.debug("leaving the in-process store failed: %s", e)
+        self.state_client = None
         self.clients.close()
 
     # ---- the restart loop ----------------------------------------------------------------
@@ -253,7 +216,8 @@ class _Call:
         """(_COMPLETED, return value) or (cause-or-None, exception-or-None)."""
         k = plan.iteration
         self.abort.connections.begin()
-        self.monitor.begin_iteration(k, plan.members(), plan.marked, in_function=role == ACTIVE)
+        self.abort.connections.adopt(self.state_sockets)
+        self.monitor.begin_iteration(k, plan.members(), plan.marked)
         if role != ACTIVE:
             return self._wait(plan, deadline=None)
         state = self._state(plan)
@@ -261,19 +225,24 @@ class _Call:
         if self.state_param:
             kwargs = {**kwargs, self.state_param: state}
         error: Optional[BaseException] = None
-        self.interrupter.arm()
+        late = self.interrupter.late_requests
+        self.monitor.enter_function()
         try:
-            result = self.fn(*args, **kwargs)
+            # A request that arrives as fn returns is not raised (interruption.py); the store
+            # settles how the iteration ended, the same way on every rank (_wait).
+            result = self.interrupter.call(self.fn, *args, **kwargs)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # RestartRequested included
             error = e
         finally:
-            self.interrupter.disarm()
             self.monitor.leave_function()
         del state, kwargs
         if error is not None:
             return None, error
+        if self.interrupter.late_requests != late:
+            logger.info("rank %d iteration %d: an interruption arrived as the function returned; the store settles "
+                        "whether the iteration completed", self.rank, k)
         self.coord.mark_done(k)
         outcome, _ = self._wait(plan, deadline=self.config.completion_timeout)
         if outcome is _COMPLETED:
@@ -284,7 +253,7 @@ class _Call:
         import torch.distributed as dist
 
         prefix = f"{self.coord.iteration_prefix(plan.iteration)}/pg"
-        store = dist.PrefixStore(prefix, self.clients.connect())  # opened inside the iteration: aborted with it
+        store = dist.PrefixStore(prefix, self.state_client)  # its socket is shut down if the iteration is aborted
         return RestartState(
             iteration=plan.iteration, rank=plan.assignment.active[self.rank], world_size=plan.assignment.world_size,
             initial_rank=self.rank, initial_world_size=self.world_size, local_rank=self.local_rank,
@@ -295,20 +264,32 @@ class _Call:
         )
 
     def _wait(self, plan: Plan, deadline: Optional[float]):
-        """Wait until every active rank finished the iteration, or something interrupted it."""
+        """Wait until every active rank finished the iteration, or something interrupted it.
+
+        Either is proposed to the store, and the first proposal is how the iteration ended on
+        every rank: an interruption recorded as the last rank returned would otherwise
+        restart the ranks that saw it and complete the others.
+        """
         k, world = plan.iteration, plan.assignment.world_size
         poller, start = Poller(), time.monotonic()
         while True:
+            cause = None
             if self.coord.done_count(k) >= world:
-                return _COMPLETED, None
-            if self.coord.interrupted(k, plan.marked):
-                return Cause.PEER_INTERRUPTED, None
-            waited = time.monotonic() - start
-            if deadline is not None and waited > deadline:
+                proposal = SETTLED_COMPLETED
+            elif self.coord.interrupted(k, plan.marked):
+                proposal, cause = SETTLED_RESTART, Cause.PEER_INTERRUPTED
+            elif deadline is not None and time.monotonic() - start > deadline:
+                waited = time.monotonic() - start
                 detail = f"rank {self.rank} waited {waited:.0f} s for {world - self.coord.done_count(k)} ranks"
                 self.coord.record(k, Cause.COMPLETION_TIMEOUT, detail)
-                return Cause.COMPLETION_TIMEOUT, None
-            poller.wait()
+                proposal, cause = SETTLED_RESTART, Cause.COMPLETION_TIMEOUT
+            else:
+                poller.wait()
+                continue
+            if self.coord.settle(k, proposal) == SETTLED_COMPLETED:
+                self.monitor.end_iteration()  # nothing may abort the groups the function leaves to its caller
+                return _COMPLETED, None
+            return cause or Cause.PEER_INTERRUPTED, None
 
     def _restart(self, plan: Plan, cause: Optional[Cause], error: Optional[BaseException]) -> Plan:
         k = plan.iteration
@@ -319,12 +300,13 @@ class _Call:
         self.abort.destroy()
         self.events.emit(ABORTED, iteration=k, connections_shut_down=shut, by="main")
         if error is not None:
-            _clear_frames(error)
+            clear_frames(error)
             error = None
         healthy, results = self.health.run(self.events, k)
         if not healthy:
             self.coord.mark_terminated(self.rank, Cause.HEALTH_CHECK, "; ".join(r.detail for r in results))
             raise RankExcluded(f"rank {self.rank} failed its health check after iteration {k}")
+        self._connect_state_client()  # the abort shut the last one down; the barrier absorbs a slow connect
         self.coord.arrive(k)
         _, marks = self.coord.wait_for_members(
             k, plan.members(), plan.marked, self.config.barrier_timeout, self.config.heartbeat_timeout,
@@ -347,14 +329,14 @@ class _Call:
         if isinstance(error, RestartRequested) or triggered is not None:
             cause = triggered or Cause.PEER_INTERRUPTED
             detail = str(error) if error is not None else "interrupted"
-            if cause != Cause.SOFT_TIMEOUT:  # the monitor recorded soft timeouts itself
+            if cause != Cause.SOFT_TIMEOUT or not self.monitor.soft_timeout_recorded:  # the monitor's record stands
                 self.coord.record(k, cause, detail)
             return cause, detail
         if error is not None:
             detail = f"{type(error).__name__}: {error}"[:1000]
             cause = Cause.PEER_INTERRUPTED if self.coord.interrupted(k, plan.marked) else Cause.EXCEPTION
             self.coord.record(k, cause, detail)
-            if cause == Cause.EXCEPTION and not _is_communication_error(error):
+            if cause == Cause.EXCEPTION and not is_communication_error(error):
                 logger.error("rank %d iteration %d: %s", self.rank, k, detail,
                              exc_info=(type(error), error, error.__traceback__))
             else:
