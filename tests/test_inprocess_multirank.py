@@ -33,8 +33,8 @@ STEPS = 16
 
 
 # ---- what each rank runs ------------------------------------------------------------------
-def _rank_main(job, rank, port, params, outdir):
-    os.environ.update(RANK=str(rank), NVRX_TEST_INITIAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+def _rank_main(job, rank, world, port, params, outdir):
+    os.environ.update(RANK=str(rank), NVRX_TEST_INITIAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
                       NVRX_EVENTS_FILE=os.path.join(outdir, "events.jsonl"), **params.get("env", {}).get(str(rank), {}))
@@ -43,7 +43,7 @@ def _rank_main(job, rank, port, params, outdir):
     os.dup2(log.fileno(), 2)
     logging.basicConfig(level=logging.INFO, format=f"[rank{rank} %(asctime)s] %(name)s %(message)s", force=True)
     torch.set_num_threads(1)
-    result = JOBS[job](params)
+    result = (JOBS[job] if isinstance(job, str) else job)(params)
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -56,6 +56,10 @@ def _inject(params, state, step):
     iterations = params.get("fault_iterations", (0,))
     if iterations != "all" and state.iteration not in iterations:
         return
+    if params.get("fault_marker"):  # tells the test when the fault begins (wall time)
+        with open(params["fault_marker"] + ".tmp", "w") as f:
+            f.write(repr(time.time()))
+        os.replace(params["fault_marker"] + ".tmp", params["fault_marker"])
     if fault == "exception":
         raise ValueError(f"injected fault at step {step}")
     if fault == "sleep":  # GIL released: soft timeout
@@ -130,8 +134,8 @@ JOBS = {"ddp_job": ddp_job, "loop_job": loop_job}
 
 # ---- the harness --------------------------------------------------------------------------
 class Run:
-    def __init__(self, outdir, codes):
-        self.outdir, self.codes = outdir, codes
+    def __init__(self, outdir, codes, world=WORLD):
+        self.outdir, self.codes, self.world = outdir, codes, world
         self.events = read_events(os.path.join(outdir, "events.jsonl"))
 
     def result(self, rank):
@@ -153,25 +157,37 @@ class Run:
         timeline = "\n".join(f"{e['time']:.3f} rank {e.get('rank')} {e['kind']} iteration={e.get('iteration')} "
                              f"{e.get('cause') or e.get('reason') or ''}" for e in self.events)
         return (f"exit codes {self.codes}\n--- events\n{timeline}\n" +
-                "\n".join(f"--- rank {r}\n{readable(r)}" for r in range(WORLD)))
+                "\n".join(f"--- rank {r}\n{readable(r)}" for r in range(self.world)))
 
 
-def launch(tmp_path, job, params, timeout=90.0) -> Run:
+def launch(tmp_path, job, params, timeout=90.0, world=WORLD, store_port=None, during=None) -> Run:
+    """Run `job` (a name in JOBS, or a module-level function) on `world` ranks; kill what is left.
+
+    store_port: a store hosted elsewhere (default: one hosted here, like ft_launcher's agent).
+    during(procs): called once the ranks started, to act on them or on the store meanwhile.
+    """
     outdir = str(tmp_path)
     CTX.set_forkserver_preload(PRELOAD)  # takes effect if this starts the fork server
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [CTX.Process(target=_rank_main, args=(job, r, store.port, params, outdir)) for r in range(WORLD)]
+    store = None
+    if store_port is None:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store_port = store.port
+    procs = [CTX.Process(target=_rank_main, args=(job, r, world, store_port, params, outdir)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    run = Run(outdir, [p.exitcode for p in procs])
+    try:
+        if during is not None:
+            during(procs)
+        for p in procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+    finally:
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    run = Run(outdir, [p.exitcode for p in procs], world)
     assert not hung, f"ranks {hung} still running after {timeout} s\n{run.explain()}"
     return run
 

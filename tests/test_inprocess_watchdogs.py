@@ -1,0 +1,140 @@
+"""The watchdogs' parts, one at a time: bounded store requests, blind heartbeat watchers,
+progress reported to the hard-timeout monitor, interruptions outside the function, and
+the store's verdict on how an iteration ended.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch.distributed as dist
+
+from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections
+from nvrx_core.inprocess.coordination import COMPLETED, RESTART, Coordinator, HeartbeatWatch
+from nvrx_core.inprocess.errors import RestartRequested
+from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
+from nvrx_core.inprocess.monitor_process import ProgressReporter
+from nvrx_core.inprocess.store import BoundedStore, StoreUnavailable
+from waiting import wait_for
+
+STORE_HOST = """
+import sys
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def stop(pid):
+    """SIGSTOP takes effect some time after kill() returns: wait until the process is stopped."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and line.split()[1] in ("T", "t") for line in f)
+
+    wait_for(stopped, timeout=20, what=f"process {pid} to stop")
+
+
+@pytest.fixture
+def store_process():
+    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        yield proc, int(proc.stdout.readline())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_bounded_store_fails_fast_while_the_store_is_stopped_and_stays_in_step_after(store_process):
+    proc, port = store_process
+    store = BoundedStore(lambda: dist.TCPStore("127.0.0.1", port, is_master=False), timeout=0.5, name="test")
+    try:
+        assert store.add("n", 1) == 1
+        stop(proc.pid)
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="no answer within 0.5 s"):
+            store.add("n", 1)  # a TCPStore client alone would wait for ever
+        assert time.monotonic() - began < 3
+        began = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="has not answered add"):
+            store.check(["n"])  # no second request piles up behind the first
+        assert time.monotonic() - began < 0.5
+        os.kill(proc.pid, signal.SIGCONT)
+
+        def answered():
+            try:
+                return store.add("n", 0)
+            except StoreUnavailable:
+                return None
+
+        wait_for(lambda: answered() is not None, timeout=20, what="the store to answer again")
+        assert store.add("n", 0) == 2  # the late add was applied once, and its answer not taken for another's
+        assert store.stalls == 1
+    finally:
+        store.close()
+
+
+def test_heartbeat_silence_counts_only_while_the_watcher_could_read():
+    now = [0.0]
+    watch = HeartbeatWatch(clock=lambda: now[0], blind_after=1.0)
+    watch.update({1: b"5", 2: b"9"})
+    now[0] = 0.5
+    watch.update({1: b"6", 2: b"9"})
+    now[0] = 8.0  # no read for 7.5 s (the store stalled): nobody's silence is known
+    watch.update({1: b"6", 2: b"9"})
+    assert watch.stale(2.0) == []
+    for beat in range(5):  # reading again every 0.5 s: rank 1 beats, rank 2 stays silent
+        now[0] += 0.5
+        watch.update({1: str(beat).encode(), 2: b"9"})
+    assert watch.stale(2.0) == [2]  # silent for 2.5 s of reading
+
+
+def test_progress_reported_to_the_monitor_process():
+    now = [100.0]
+    progress = MainThreadProgress(clock=lambda: now[0])
+    in_function = [True]
+    reporter = ProgressReporter(progress, monitor_process=None, in_function=lambda: in_function[0], interval=0.1,
+                                machinery_allowance=30.0, clock=lambda: now[0])
+    now[0] = 110.0
+    assert reporter.reported(now[0]) == 100.0  # the function runs: only the main thread's bytecode counts
+    in_function[0] = False  # the Wrapper's own code, e.g. a store request the store does not answer
+    assert reporter.reported(now[0]) == 110.0
+    now[0] = 150.0
+    assert reporter.reported(now[0]) == 130.0  # vouched for up to barrier_timeout, not for ever
+
+
+def test_a_request_taken_in_the_wrappers_own_frames_is_not_raised():
+    interrupter = MainThreadInterrupter(signal.SIGUSR1)
+    interrupter.arm()
+    try:
+        for own in (MainThreadInterrupter.call, MainThreadInterrupter.disarm):
+            interrupter._handle(signal.SIGUSR1, types.SimpleNamespace(f_code=own.__code__))
+        assert interrupter.late_requests == 2
+        with pytest.raises(RestartRequested):  # inside the function it is raised
+            interrupter._handle(signal.SIGUSR1, sys._getframe())
+    finally:
+        interrupter.disarm()
+
+
+def test_the_first_verdict_on_an_iteration_is_everyones(tmp_path):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    a, b = (Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "v", r) for r in range(2))
+    assert a.settle(3, RESTART) == RESTART
+    assert b.settle(3, COMPLETED) == RESTART
+    assert b.settle(4, COMPLETED) == COMPLETED and a.settle(4, RESTART) == COMPLETED
+
+
+def test_destroy_resets_the_group_counter_a_failed_creation_left_ahead():
+    """Ranks whose init_process_group failed would otherwise name the next group differently."""
+    world = dist.distributed_c10d._world
+    world.group_count = 3
+    AbortProcessGroups(IterationConnections(), empty_cuda_cache=False).destroy()
+    assert world.group_count == 0
