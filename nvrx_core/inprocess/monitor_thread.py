@@ -37,7 +37,7 @@ from nvrx_core.inprocess.store import StoreUnavailable
 
 logger = logging.getLogger("nvrx.inprocess")
 WATCHED_SUCCESSORS = 2
-GROUP_CREATION = "_new_process_group_helper"  # torch.distributed's frame that runs a backend's constructor
+GROUP_CREATION = "_new_process_group_helper"  # torch.distributed's function that has a backend constructed
 
 
 class MonitorThread(threading.Thread):
@@ -164,8 +164,7 @@ class MonitorThread(threading.Thread):
         delay = max(2 * self.config.monitor_interval, 0.2)
         if now - self._triggered_at < delay or self.progress.idle_for(now) < delay:
             return
-        frame = self._main_frame()
-        if getattr(getattr(frame, "f_code", None), "co_name", None) != GROUP_CREATION:
+        if not _creating_group(self._main_frame()):
             return
         self._released = True
         listeners = self.abort.connections.listeners()
@@ -197,6 +196,22 @@ class MonitorThread(threading.Thread):
         self.events.emit(ABORTED, iteration=iteration, connections_shut_down=shut, by="monitor")
         if in_function:
             self.interrupter.request(f"{cause.value}: {detail}")
+
+
+def _creating_group(frame) -> bool:
+    """Whether `frame` (the main thread's innermost) is torch creating a process group.
+
+    torch 2.13 calls the backend's constructor from _new_process_group_helper itself,
+    torch 2.14 from a helper it calls (_create_gloo_process_group): look a few frames up,
+    through torch's own code only.
+    """
+    for _ in range(6):
+        if frame is None or "torch" not in frame.f_code.co_filename:
+            return False
+        if frame.f_code.co_name == GROUP_CREATION:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _main_thread_frame():
