@@ -206,6 +206,7 @@ class BoundedStore:
                 request.done.set()
                 late = request.abandoned
             if late:
+                self.max_latency = max(self.max_latency, request.finished - request.started)
                 logger.warning("%s: the store answered %s after %.1f s", self.name, request.method,
                                request.finished - request.started)
 

@@ -65,6 +65,9 @@ class Watchdogs:
         if self.process is not None:
             self.process.stop()
         self.store.close()
+        if self.store.stalls or self.store.max_latency > self.store.slow:
+            logger.info("rank %d: the store's slowest answer to the monitor thread took %.2f s; %d request(s) got "
+                        "none within %.1f s", self.rank, self.store.max_latency, self.store.stalls, self.store.timeout)
 
     def _start_monitor_process(self, interval: float) -> MonitorProcess:
         config = self.config
