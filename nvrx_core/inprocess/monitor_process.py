@@ -23,8 +23,9 @@ bytecode (a C call holding or releasing the GIL longer than hard_timeout is a ha
 soft timeout could not end). While the Wrapper's own code runs (restart barrier, waiting
 for the other ranks), its store requests can wait for a stalled store; there the reporter
 vouches for the rank as long as its own thread runs (so a C call holding the GIL is still
-caught) for up to machinery_allowance (barrier_timeout: the Wrapper's own waits give up by
-then) past the main thread's last bytecode.
+caught) for up to machinery_allowance (barrier_timeout, the longest the Wrapper means to
+wait for its peers) past the main thread's last bytecode. A store that never answers
+again thus ends in the hard timeout, barrier_timeout later than a hang would.
 
 Forked rather than spawned: a fresh interpreter would import torch again (seconds of CPU
 per rank, on every start); the child only runs plain Python and, when it must declare a
