@@ -26,6 +26,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 from nvrx_core.inprocess.errors import RestartRequested
+from nvrx_core.signals import SignalClaim, default_registry
 
 _PENDING_CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
@@ -36,8 +37,7 @@ class MainThreadInterrupter:
     def __init__(self, signum: int):
         self.signum = signum
         self._main_ident = threading.main_thread().ident
-        self._previous_handler = None
-        self._installed = False
+        self._claim: Optional[SignalClaim] = None
         self._armed = False
         self._atomic_depth = 0
         self._deferred = False
@@ -48,13 +48,14 @@ class MainThreadInterrupter:
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("the in-process Wrapper must run in the main thread (signals are delivered there)")
-        self._previous_handler = signal.signal(self.signum, self._handle)
-        self._installed = True
+        # One owner per signal: a conflict (e.g. preemption configured with SIGUSR1) is
+        # refused here with both owners named, instead of one silently replacing the other.
+        self._claim = default_registry().claim(self.signum, "inprocess.interrupt", self._handle)
 
     def uninstall(self) -> None:
-        if self._installed:
-            signal.signal(self.signum, self._previous_handler or signal.SIG_DFL)
-            self._installed = False
+        if self._claim is not None:
+            self._claim.release()  # the disposition from before install() comes back
+            self._claim = None
 
     @property
     def armed(self) -> bool:

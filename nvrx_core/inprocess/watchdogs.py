@@ -13,7 +13,6 @@ barrier that costs nothing, while a connection opened as ranks train can stall t
 server for everyone.
 """
 
-import faulthandler
 import logging
 import os
 import signal
@@ -28,6 +27,7 @@ from nvrx_core.inprocess.monitor_process import MonitorProcess, MonitorSettings,
 from nvrx_core.inprocess.monitor_thread import MonitorThread
 from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.store import BoundedStore, StoreClients
+from nvrx_core.signals import FaultHandlerDump, SignalClaim, default_registry
 
 logger = logging.getLogger("nvrx.inprocess")
 
@@ -40,6 +40,7 @@ class Watchdogs:
         self.monitor: Optional[MonitorThread] = None
         self.reporter: Optional[ProgressReporter] = None
         self.process: Optional[MonitorProcess] = None
+        self._dump_claim: Optional[SignalClaim] = None
 
     def connect(self) -> None:
         """Open the monitor thread's store connection now (see the module docstring)."""
@@ -64,6 +65,9 @@ class Watchdogs:
             self.reporter.shutdown()
         if self.process is not None:
             self.process.stop()
+        if self._dump_claim is not None:  # undo what start() installed
+            self._dump_claim.release()
+            self._dump_claim = None
         self.store.close()
         if self.store.stalls or self.store.max_latency > self.store.slow:
             logger.info("rank %d: the store's slowest answer to the monitor thread took %.2f s; %d request(s) got "
@@ -80,10 +84,12 @@ class Watchdogs:
                                    config.signal_number("stack_dump_signal"),
                                    declare_timeout=min(config.barrier_timeout, 60.0))
         dump = settings.stack_dump_signal
-        if dump is not None and signal.getsignal(dump) == signal.SIG_DFL:  # no Python handler claims it
-            # Left registered afterwards: ft_launcher's node monitor expects the same stack dump
-            # on this signal, and a dump is a better default than dying.
-            faulthandler.register(dump, all_threads=True, chain=False)
+        signals = default_registry()
+        if dump is not None and self._dump_claim is None and signals.is_free(dump):
+            # The monitor process sends this before the kill. Where another part already holds
+            # the signal it is left alone: the ft client's dump goes to the file the node
+            # monitor prints, and a Python handler belongs to another part of the job.
+            self._dump_claim = signals.claim(dump, "inprocess.wrapper", FaultHandlerDump(all_threads=True))
         clients, prefix, rank = self.clients, self.prefix, self.rank
 
         def declare(cause: Cause, detail: str) -> None:  # runs in the monitor process, in a thread of its own
