@@ -15,7 +15,6 @@ server for everyone.
 
 import logging
 import os
-import signal
 from typing import Optional
 
 from nvrx_core import events as ev
