@@ -5,8 +5,8 @@ public API: torchrun's argument parser and config builder, the elastic agent's p
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
 restarts. The in-process Wrapper lists every process group through c10d's private registry
 and aborts an NCCL group through its backend object. A torch release may rename or drop any
-of them; the symptom would then be a launcher that silently stops restarting, or an abort
-that does nothing. Every such use goes through this module, which checks the name when it
+of them; the symptom would then be a launcher that silently stops restarting, an abort
+that does nothing, or ranks that name their next process group differently and hang. Every such use goes through this module, which checks the name when it
 is first needed and raises TorchCompatError naming the torch version, the missing name and
 the versions nvrx-suite was tested with.
 """
@@ -81,12 +81,23 @@ def restarts_left(agent: Any) -> int:
 
 # ---- c10d ----------------------------------------------------------------------------------
 
-def all_process_groups() -> List[Any]:
-    """Every live process group; no public API lists the subgroups."""
+def _c10d_world() -> Any:
     import torch.distributed as dist
 
-    world = require(dist.distributed_c10d, "_world", "c10d's registry of process groups")
-    return list(require(world, "pg_map", "c10d's map of live process groups").keys())
+    return require(dist.distributed_c10d, "_world", "c10d's registry of process groups")
+
+
+def all_process_groups() -> List[Any]:
+    """Every live process group; no public API lists the subgroups."""
+    return list(require(_c10d_world(), "pg_map", "c10d's map of live process groups").keys())
+
+
+def reset_group_counter() -> None:
+    """Name the next unnamed process group "0" again (c10d counts them per process; see
+    nvrx_core.inprocess.abort.reset_group_names for why ranks must agree on it)."""
+    world = _c10d_world()
+    require(world, "group_count", "c10d's counter naming unnamed process groups")
+    world.group_count = 0
 
 
 def nccl_backend(group: Any) -> Any:

@@ -45,3 +45,15 @@ def test_all_process_groups_lists_subgroups(tmp_path):
     finally:
         dist.destroy_process_group()
     assert torch_compat.all_process_groups() == []
+
+
+def test_reset_group_counter_names_the_next_group_from_zero_again(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        dist.new_group([0])
+        assert dist.distributed_c10d._world.group_count > 0
+        torch_compat.reset_group_counter()
+        assert dist.distributed_c10d._world.group_count == 0
+    finally:
+        dist.destroy_process_group()

@@ -190,9 +190,7 @@ def reset_group_names() -> None:
     ahead of the ranks that did create one. In the next iteration the ranks then wait for
     each other under different names, a hang that repeats in every later iteration.
     """
-    world = torch_compat.require(dist.distributed_c10d, "_world", "c10d's registry of process groups")
-    torch_compat.require(world, "group_count", "c10d's counter naming unnamed process groups")
-    world.group_count = 0
+    torch_compat.reset_group_counter()
 
 
 class AbortProcessGroups:
