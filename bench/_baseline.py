@@ -8,6 +8,7 @@ is then shown in one run, on one machine state, not against a figure from anothe
 
 import os
 import subprocess
+import sys
 import tempfile
 from typing import List
 
@@ -24,7 +25,8 @@ class Baseline:
         self.label = f"main@{self.rev}"
 
     def command(self, cmd: List[str]) -> List[str]:
-        return [arg.replace(REPO, self.tree) for arg in cmd]
+        """`cmd` with this repository's files (not its interpreter) taken from the baseline tree."""
+        return [arg if arg == sys.executable else arg.replace(REPO, self.tree) for arg in cmd]
 
     def env(self, env: dict) -> dict:
         return dict(env, PYTHONPATH=self.tree)
