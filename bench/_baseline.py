@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import List
+from typing import Callable, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,3 +33,13 @@ class Baseline:
 
     def close(self) -> None:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", self.tree], capture_output=True)
+
+
+def run_with_baseline(rev: Optional[str], run: Callable[[Optional[Baseline]], int]) -> int:
+    """run(baseline or None), removing the baseline's worktree afterwards."""
+    baseline = Baseline(rev) if rev else None
+    try:
+        return run(baseline)
+    finally:
+        if baseline is not None:
+            baseline.close()

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 
-from _baseline import Baseline
+from _baseline import Baseline, run_with_baseline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "_overhead_job.py")
@@ -43,12 +43,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--baseline", metavar="REV", help="also measure ours at this git revision, as a peer")
     args = parser.parse_args()
-    baseline = Baseline(args.baseline) if args.baseline else None
-    try:
-        return run(args, baseline)
-    finally:
-        if baseline is not None:
-            baseline.close()
+    return run_with_baseline(args.baseline, lambda baseline: run(args, baseline))
 
 
 def run(args, baseline) -> int:

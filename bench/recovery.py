@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 
-from _baseline import Baseline
+from _baseline import Baseline, run_with_baseline
 from _process import run_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,12 +106,7 @@ def main() -> int:
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--baseline", metavar="REV", help="also measure ours at this git revision, as a peer")
     args = parser.parse_args()
-    baseline = Baseline(args.baseline) if args.baseline else None
-    try:
-        return run(args, baseline)
-    finally:
-        if baseline is not None:
-            baseline.close()
+    return run_with_baseline(args.baseline, lambda baseline: run(args, baseline))
 
 
 def run(args, baseline) -> int:

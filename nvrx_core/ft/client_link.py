@@ -47,6 +47,10 @@ def read_reply(sock: socket.socket, timeout: float) -> dict:
         if not chunk:
             raise ConnectionError("node monitor closed the connection during init")
         buf += chunk
+    return _first_reply(buf)
+
+
+def _first_reply(buf: bytes) -> dict:
     try:
         return decode(buf.split(b"\n", 1)[0])
     except ProtocolError as e:
@@ -234,10 +238,7 @@ class MonitorLink:
                 if not chunk:
                     raise ConnectionError("node monitor closed the connection during init")
                 buf += chunk
-        try:
-            return decode(buf.split(b"\n", 1)[0])
-        except ProtocolError as e:
-            raise ConnectionError(f"node monitor sent a bad reply: {e}") from None
+        return _first_reply(buf)
 
     def _sleep(self, seconds: float) -> None:
         """Wait, but wake at once for close()."""
