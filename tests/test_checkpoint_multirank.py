@@ -183,13 +183,15 @@ def scenario_restore(args: dict, rank: int, world: int) -> dict:
     latest = local.find_latest()
     from_replicas = local.load(fallback=persistent.load_latest)
     restored_steps = local.store.steps()
+    local.close()
     dist.barrier()
     if rank == 0:   # now every node loses its local storage
         shutil.rmtree(os.path.join(args["base"], "local"))
     dist.barrier()
-    local, _ = _managers(args, rank)
+    local, unused = _managers(args, rank)
     from_global = local.load(fallback=persistent.load_latest)
-    persistent.close()
+    for manager in (local, unused, persistent):
+        manager.close()
     return {"latest": latest, "step": from_replicas.step, "source": from_replicas.source,
             "ok": same_state(from_replicas.state, rank_state(rank, 20)),
             "restored_steps": restored_steps, "global_step": from_global.step,
@@ -198,8 +200,10 @@ def scenario_restore(args: dict, rank: int, world: int) -> dict:
 
 
 def scenario_restore_past_a_corrupt_replica(args: dict, rank: int, world: int) -> dict:
-    local, _ = _managers(args, rank)
+    local, persistent = _managers(args, rank)
     loaded = local.load()
+    local.close()
+    persistent.close()
     return {"step": loaded.step, "source": loaded.source,
             "ok": same_state(loaded.state, rank_state(rank, loaded.step))}
 
