@@ -1,7 +1,8 @@
 """Checkpointing across real gloo ranks: the global commit protocol, an overlapped save
 dropped on every rank when one rank modified its state too early, local find_latest
-agreement, restoring a lost node from peer replicas, and the fallback to the persistent
-checkpoint. Each scenario runs as separate processes (this file run as a script).
+agreement, restoring a lost node from peer replicas, the fallback to the persistent
+checkpoint, and collectives that never leave their tensors to a backend thread. Each
+scenario runs as separate processes (this file run as a script).
 """
 
 import json
@@ -9,7 +10,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -208,14 +211,75 @@ def scenario_restore_past_a_corrupt_replica(args: dict, rank: int, world: int) -
             "ok": same_state(loaded.state, rank_state(rank, loaded.step))}
 
 
+def scenario_backend_lets_go_late(args: dict, rank: int, world: int) -> dict:
+    """torch.distributed keeps a reference to the tensors of an operation for a while
+    after the caller's wait() returned (gloo's worker thread does, until it next runs).
+    Here it is made to keep one for hold_s seconds: every checkpoint collective must
+    return only after that, and then nothing may hold its tensors any more, so their
+    Python objects are freed on the caller's thread, never on the backend's."""
+    from torch.distributed import distributed_c10d
+
+    from nvrx_core.checkpoint import collectives, replication
+
+    hold_s = 0.5
+    handed = []     # (weakref to a tensor given to the backend, set once the backend let go)
+
+    def holding(name: str, module) -> None:
+        op = getattr(module, name)
+
+        def call(*a, **kw):
+            result = op(*a, **kw)
+            for arg in a[:2]:                     # the tensor, or output list and input
+                for tensor in arg if isinstance(arg, (list, tuple)) else [arg]:
+                    if isinstance(tensor, torch.Tensor):
+                        hold(tensor)
+            return result
+        setattr(module, name, call)
+
+    def hold(tensor: torch.Tensor) -> None:
+        released, held = threading.Event(), [tensor.view(-1)]    # a view references its base
+        handed.append((weakref.ref(tensor), released))
+
+        def let_go():
+            held.clear()
+            released.set()
+        threading.Timer(hold_s, let_go).start()
+
+    for name in ("all_reduce", "all_gather", "broadcast", "gather"):   # as the helper calls them
+        holding(name, distributed_c10d)
+    holding("isend", dist)                        # replication's point-to-point transfers
+    holding("irecv", dist)
+    kept = torch.arange(10, dtype=torch.uint8)    # the caller's own shard bytes
+
+    def outcome(run) -> dict:
+        start = len(handed)
+        run()
+        mine = handed[start:]
+        return {"handed": len(mine),
+                "returned_after_backend_let_go": all(e.is_set() for _, e in mine),
+                "not_held_after_return": all(r() is None or r() is kept for r, _ in mine)}
+
+    shipment = replication.Shipment({"checksum_algo": "crc32", "files": []}, kept)
+    return {
+        "all_reduce_max": outcome(lambda: collectives.all_reduce_max([rank, -rank], dist.group.WORLD)),
+        "all_gather_json": outcome(lambda: collectives.all_gather_json({"r": rank}, dist.group.WORLD)),
+        "transfer": outcome(lambda: replication.transfer(dist.group.WORLD, 7, {1 - rank: shipment},
+                                                         [1 - rank])),
+    }
+
+
+def write_result(args: dict, scenario: str, rank: int, result) -> None:
+    with open(os.path.join(args["out"], f"{scenario}.rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     scenario, args = sys.argv[1], json.loads(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore("127.0.0.1", int(os.environ["NVRX_TEST_STORE_PORT"]), is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     result = globals()[f"scenario_{scenario}"](args, rank, world)
-    with open(os.path.join(args["out"], f"{scenario}.rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    write_result(args, scenario, rank, result)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -291,6 +355,20 @@ def test_lost_node_is_restored_from_replicas_then_falls_back_to_global(tmp_path)
     assert [(r["step"], r["source"]) for r in results] == [
         (10, "local"), (10, "local"), (10, "replica"), (10, "replica")]
     assert all(r["ok"] for r in results)
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_collectives_return_only_after_the_backend_let_go_of_their_tensors(tmp_path):
+    """The exit abort of the overlapped test: gloo's worker thread dropped the last
+    reference to a collective's tensor after the interpreter had begun to exit."""
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    results = launch("backend_lets_go_late", 2, args)
+    for result in results:
+        assert result["transfer"]["handed"] == 6             # 2 headers, table + bytes each way
+        for name, outcome in result.items():
+            assert outcome["handed"] >= 1, name
+            assert outcome["returned_after_backend_let_go"], name
+            assert outcome["not_held_after_return"], name
 
 
 def flip_byte(path, offset=100):

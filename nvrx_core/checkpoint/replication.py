@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nvrx_core import durable
+from nvrx_core.checkpoint.collectives import wait_released
 from nvrx_core.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from nvrx_core.checkpoint.layout import Checksum, FileEntry, Manifest, check_entry, write_manifest
 from nvrx_core.checkpoint.shards import byte_view
@@ -99,23 +100,27 @@ def transfer(group: dist.ProcessGroup, tag_value: int, sends: Dict[int, Optional
              receives: List[int]) -> Dict[int, Optional[Shipment]]:
     """Point-to-point shipments: `sends` maps destination rank -> shipment (None: nothing),
     `receives` lists source ranks (ranks within `group`). Two phases (headers, then
-    payloads), each posted all at once, so no pair of ranks can deadlock on the other."""
+    payloads), each posted all at once, so no pair of ranks can deadlock on the other.
+    Every tensor handed to torch.distributed is let go of only after it has let go of it
+    (collectives.wait_released)."""
     encoded = {dist.get_global_rank(group, dst): _encode(s) for dst, s in sends.items()}
     receives = [dist.get_global_rank(group, src) for src in receives]
     headers_in = {src: torch.zeros(_HEADER, dtype=torch.int64) for src in receives}
+    headers_out = {dst: _header(tag_value, header) for dst, (header, _, _) in encoded.items()}
     works = []
-    for dst, (header, _, _) in encoded.items():
-        works.append(dist.isend(_header(tag_value, header), dst, group=group))
+    for dst, header in headers_out.items():
+        works.append(dist.isend(header, dst, group=group))
     for src, buf in headers_in.items():
         works.append(dist.irecv(buf, src, group=group))
-    for work in works:
-        work.wait()
-    works, incoming = [], {}
+    _wait_all(works, list(headers_out.values()) + list(headers_in.values()))
+    handed, incoming = [], {}
     for dst, (header, table, data) in encoded.items():
         if header[0] == _OK:
             works.append(dist.isend(table, dst, group=group))
+            handed.append(table)
             if data.numel():
                 works.append(dist.isend(data, dst, group=group))
+                handed.append(data)
     for src, header in headers_in.items():
         tag, status, table_len, data_len = header.tolist()
         if tag != tag_value:
@@ -128,13 +133,25 @@ def transfer(group: dist.ProcessGroup, tag_value: int, sends: Dict[int, Optional
         table = torch.empty(table_len, dtype=torch.uint8)
         data = torch.empty(data_len, dtype=torch.uint8)
         works.append(dist.irecv(table, src, group=group))
+        handed.append(table)
         if data_len:
             works.append(dist.irecv(data, src, group=group))
+            handed.append(data)
         incoming[src] = (table, data)
-    for work in works:
-        work.wait()
+    _wait_all(works, handed)
     return {dist.get_group_rank(group, src): None if item is None else
             Shipment(json.loads(bytes(byte_view(item[0]))), item[1]) for src, item in incoming.items()}
+
+
+def _wait_all(works: list, tensors: List[torch.Tensor]) -> None:
+    """Wait for `works`, dropping each (a work object holds its tensors), then for
+    torch.distributed to let go of `tensors`."""
+    try:
+        while works:
+            works.pop(0).wait()
+    finally:
+        works.clear()
+    wait_released(tensors)
 
 
 def _encode(shipment: Optional[Shipment]) -> Tuple[List[int], torch.Tensor, torch.Tensor]:
@@ -142,7 +159,8 @@ def _encode(shipment: Optional[Shipment]) -> Tuple[List[int], torch.Tensor, torc
         empty = torch.empty(0, dtype=torch.uint8)
         return [_NOTHING, 0, 0], empty, empty
     raw = json.dumps(shipment.table, sort_keys=True).encode()
-    table = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    # a copy: memory owned by torch, not by a Python bytearray (see collectives.wait_released)
+    table = torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
     return [_OK, table.numel(), shipment.data.numel()], table, shipment.data
 
 
