@@ -1,8 +1,9 @@
 """Checkpointing across real gloo ranks: the global commit protocol, an overlapped save
 dropped on every rank when one rank modified its state too early, local find_latest
 agreement, restoring a lost node from peer replicas, the fallback to the persistent
-checkpoint, and collectives that never leave their tensors to a backend thread. Each
-scenario runs as separate processes (this file run as a script).
+checkpoint, collectives that never leave their tensors to a backend thread, and a save
+still in flight when the process exits without close(). Each scenario runs as separate
+processes (this file run as a script).
 """
 
 import json
@@ -268,6 +269,16 @@ def scenario_backend_lets_go_late(args: dict, rank: int, world: int) -> dict:
     }
 
 
+def scenario_exit_without_close(args: dict, rank: int, world: int) -> None:
+    """A save in flight when the process exits: no close(), no destroy_process_group()."""
+    from nvrx_core.checkpoint import AsyncCheckpointer
+
+    ckpt = AsyncCheckpointer(os.path.join(args["base"], "global"))
+    ckpt.save(rank_state(rank, 5) | {"big": torch.ones(8 << 20)}, 5)   # 32 MiB to write
+    write_result(args, "exit_without_close", rank, {"saved": 5})
+    sys.exit(0)
+
+
 def write_result(args: dict, scenario: str, rank: int, result) -> None:
     with open(os.path.join(args["out"], f"{scenario}.rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -369,6 +380,20 @@ def test_checkpoint_collectives_return_only_after_the_backend_let_go_of_their_te
             assert outcome["handed"] >= 1, name
             assert outcome["returned_after_backend_let_go"], name
             assert outcome["not_held_after_return"], name
+
+
+@pytest.mark.timeout(200)
+def test_a_save_in_flight_when_the_job_exits_without_close_is_finished(tmp_path):
+    args = {"base": str(tmp_path), "out": str(tmp_path / "out")}
+    launch("exit_without_close", 2, args)           # fails on any non-zero exit code
+    from nvrx_core.checkpoint import read_manifest, verify_checkpoint
+
+    path = str(tmp_path / "global" / "step_0000000005")
+    verify_checkpoint(path)
+    assert sorted(read_manifest(path).ranks) == [0, 1]
+    for rank in (0, 1):
+        log = (tmp_path / "out" / f"exit_without_close.rank{rank}.log").read_text()
+        assert "not closed before the interpreter exits: finishing the saves of steps [5]" in log
 
 
 def flip_byte(path, offset=100):

@@ -17,8 +17,17 @@ the completion of a newer save.
 
 Threads, not a forked process: the staged buffers are shared with the writers without a
 copy, and nothing is forked from a process that holds CUDA contexts and NCCL threads.
+
+The worker is a daemon thread, which the interpreter does not wait for at exit: it stops
+it wherever it is, and when a worker inside a collective or a write returns from that call
+into a finalizing interpreter, the thread's exit aborts the process (std::terminate, exit
+code -6). So a pipeline still running at exit (its owner never called close()) is closed
+by an exit hook, while the interpreter is still whole: the saves in flight are finished,
+as close() would. The hook is one of threading's exit hooks (run last registered first),
+so it runs before concurrent.futures' own stops the writer threads from taking work.
 """
 
+import atexit
 import concurrent.futures
 import dataclasses
 import logging
@@ -26,6 +35,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from nvrx_core.checkpoint.config import CheckpointConfig
@@ -228,6 +238,19 @@ class SavePipeline:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._stager.close()
+        _running.discard(self)
+
+    def close_at_exit(self) -> None:
+        """The exit hook's work: finish what the worker has, as close() does."""
+        if self._thread is None:
+            return
+        self.poll()
+        steps = sorted(p.step for p in self.pending.values() if p.result is None)
+        if steps:
+            logger.warning("checkpoint pipeline of rank %d not closed before the interpreter "
+                           "exits: finishing the saves of steps %s first (call close() to "
+                           "learn how they ended)", self.rank, steps)
+        self.close()
 
     def _attach(self, result: SaveResult) -> None:
         pending = self.pending.get(result.generation)
@@ -245,6 +268,7 @@ class SavePipeline:
             self._thread = threading.Thread(target=self._worker_loop, name="nvrx-ckpt-worker",
                                             daemon=True)
             self._thread.start()
+            _close_running_at_exit(self)
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -295,6 +319,32 @@ class SavePipeline:
                 logger.error("background save of step %d failed: %r", pending.step, error)
             remove_rank_files(pending.directory, pending.rank)
         return SaveResult(pending.generation, entries or [], extra, error, self._clock() - began)
+
+
+_running: "weakref.WeakSet[SavePipeline]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_registered = False
+
+
+def _close_running_at_exit(pipeline: SavePipeline) -> None:
+    """Have `pipeline` closed at interpreter exit unless close() comes first."""
+    global _hook_registered
+    with _hook_lock:
+        _running.add(pipeline)
+        if not _hook_registered:
+            # threading's exit hooks run before concurrent.futures refuses new work
+            # (it registered its own at import, earlier); atexit's run after that.
+            register = getattr(threading, "_register_atexit", atexit.register)
+            register(_close_all_running)
+            _hook_registered = True
+
+
+def _close_all_running() -> None:
+    for pipeline in list(_running):
+        try:
+            pipeline.close_at_exit()
+        except Exception:  # the next pipeline still gets its chance
+            logger.exception("closing a checkpoint pipeline at exit failed")
 
 
 def _snapshot_modified(step: int, modified: List[str]) -> SnapshotModifiedError:
