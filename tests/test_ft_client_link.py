@@ -65,7 +65,9 @@ def test_calls_never_wait_for_a_stopped_monitor_which_then_gets_the_rank_s_whole
     watch = monitor.watch(os.getpid())
     wait_for(lambda: watch.heartbeats == calls and watch.section_ends == calls, what="the whole state")
     assert watch.max_iteration == calls - 1
-    assert list(watch.open_sections) == ["step"] and watch.open_sections["step"] <= opened + 0.01
+    # Its start is derived from the age the state carried: later than the true start by the
+    # message's delivery delay, which a loaded node stretches (12 ms seen in CI): a loose bound.
+    assert list(watch.open_sections) == ["step"] and watch.open_sections["step"] <= opened + 1.0
     assert monitor.monitor.cycle_stats()["heartbeats"] == calls
 
 
