@@ -18,21 +18,72 @@ process produced would run whatever code that process asked for.
 The torch functions are called through torch.distributed.distributed_c10d, not through
 the torch.distributed namespace: a user who wraps torch.distributed.all_reduce to time
 their own collectives (the straggler detector's wrap_attribute) must not also time ours.
+
+Every CPU tensor handed to torch.distributed here is created here, owns its memory (never a
+Python buffer's), and is let go of only once the backend has let go of it (wait_released).
+The reason: gloo runs a collective on a worker thread of its own, which may still hold a
+reference to the tensors for a while after the caller's wait() returned. If the caller's
+Python tensor object goes first, torch keeps it alive on behalf of the C++ tensor, and the
+gloo thread then has to take the GIL to drop it. When that thread was descheduled long
+enough for the interpreter to start exiting (a loaded node, the process group still alive
+at exit), taking the GIL ends the thread with pthread_exit, whose unwinding through a
+noexcept destructor calls std::terminate: "terminate called without an active exception",
+exit code -6, after the job had finished. NCCL's references are dropped by its watchdog
+thread on a schedule of its own (every ~100 ms); waiting for them would stall every step,
+so device tensors are not waited on.
 """
 
 import json
+import logging
 import struct
+import time
 from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
+from nvrx_core import torch_compat
+
+logger = logging.getLogger("nvrx.collectives")
+
 WORLD_IF_INITIALIZED = object()
 """Default for a `group` argument: the world group when torch.distributed is initialised,
 else no group (a world of one). Pass None to force single-process behaviour."""
 
 _HEADER = struct.Struct("<Q")  # payload length in front of each padded buffer
+
+RELEASE_TIMEOUT_S = 10.0
+"""How long wait_released waits for the backend to drop its references."""
+
+_HELD_UNTIL_EXIT: List[torch.Tensor] = []
+"""Tensors the backend still held after RELEASE_TIMEOUT_S. Deliberately process-wide: they
+must outlive every object of ours, so the backend's thread is never the one that drops
+their Python objects. Never seen filled with gloo (it would take a thread descheduled for
+RELEASE_TIMEOUT_S)."""
+
+
+def wait_released(tensors: Sequence[torch.Tensor], timeout: float = RELEASE_TIMEOUT_S) -> None:
+    """Return once torch.distributed holds no reference to any of `tensors`.
+
+    Call it after the operations on them completed (wait() returned, the work objects
+    dropped), while the caller holds its own references: those are then the last ones, so
+    the tensors are freed on the caller's thread (see the module docstring). A tensor the
+    backend still holds after `timeout` seconds is kept until the process exits instead.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while True:
+        held = [t for t in tensors if torch_compat.tensor_use_count(t) > 1]
+        if not held:
+            return
+        if time.monotonic() >= deadline:
+            logger.warning("torch.distributed still holds %d tensor(s) %.0f s after the operation "
+                           "completed; keeping them until the process exits", len(held), timeout)
+            _HELD_UNTIL_EXIT.extend(held)
+            return
+        time.sleep(pause)       # the backend's thread needs the CPU, not the GIL
+        pause = min(max(2 * pause, 1e-4), 0.01)
 
 
 def is_distributed() -> bool:
@@ -77,6 +128,11 @@ class Collectives:
         """True when there is nobody to talk to: collectives return local copies."""
         return self.world_size == 1
 
+    def _released(self, *tensors: torch.Tensor) -> None:
+        """After a blocking collective on CPU tensors: wait until the backend let go of them."""
+        if self.device.type == "cpu":
+            wait_released(tensors)
+
     # ---- numbers -------------------------------------------------------------------
     def all_reduce_max(self, values: Sequence[Any]) -> List[Any]:
         """Element-wise max over ranks (a min is the max of negated values).
@@ -89,13 +145,18 @@ class Collectives:
         floating = any(isinstance(v, float) for v in values)
         tensor = torch.tensor(values, dtype=torch.float64 if floating else torch.int64, device=self.device)
         _c10d.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        return tensor.tolist()
+        result = tensor.tolist()
+        self._released(tensor)
+        return result
 
     def all_reduce_max_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place max over ranks of a tensor already on self.device (e.g. a flag still
-        being computed on the GPU: reduced where it lives, no host sync here)."""
+        being computed on the GPU: reduced where it lives, no host sync here). A CPU tensor
+        must own its memory (not torch.frombuffer's) and the caller should not hold views of
+        it: on return the backend has let go of it."""
         if not self.alone:
             _c10d.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+            self._released(tensor)
         return tensor
 
     def broadcast_floats(self, values: Optional[Sequence[float]], length: int) -> List[float]:
@@ -109,7 +170,9 @@ class Collectives:
         else:
             tensor = torch.zeros(length, dtype=torch.float64, device=self.device)
         _c10d.broadcast(tensor, src=self._root, group=self.group)
-        return tensor.tolist()
+        result = tensor.tolist()
+        self._released(tensor)
+        return result
 
     # ---- bytes ---------------------------------------------------------------------
     def _agreed_size(self, data: bytes, max_size: Optional[int]) -> int:
@@ -123,7 +186,8 @@ class Collectives:
         buffer = bytearray(_HEADER.size + size)
         _HEADER.pack_into(buffer, 0, len(data))
         buffer[_HEADER.size:_HEADER.size + len(data)] = data
-        return torch.frombuffer(buffer, dtype=torch.uint8).to(self.device)
+        # a copy in memory torch owns: the backend may drop the last reference (see wait_released)
+        return torch.frombuffer(buffer, dtype=torch.uint8).to(self.device, copy=True)
 
     @staticmethod
     def _unframed(tensor: torch.Tensor) -> bytes:
@@ -143,7 +207,9 @@ class Collectives:
         mine = self._framed(data, self._agreed_size(data, max_size))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         _c10d.all_gather(parts, mine, group=self.group)
-        return [self._unframed(p) for p in parts]
+        result = [self._unframed(p) for p in parts]
+        self._released(mine, *parts)
+        return result
 
     def gather_bytes(self, data: bytes, max_size: Optional[int] = None) -> Optional[List[bytes]]:
         """Every rank's `data` in group rank order on group rank 0; None on the others."""
@@ -152,7 +218,9 @@ class Collectives:
         mine = self._framed(data, self._agreed_size(data, max_size))
         parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
         _c10d.gather(mine, parts, dst=self._root, group=self.group)
-        return None if parts is None else [self._unframed(p) for p in parts]
+        result = None if parts is None else [self._unframed(p) for p in parts]
+        self._released(mine, *(parts or []))
+        return result
 
     def broadcast_bytes(self, data: Optional[bytes]) -> bytes:
         """Group rank 0's `data` on every rank (others pass None)."""
@@ -160,9 +228,13 @@ class Collectives:
             return bytes(data)
         size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
         _c10d.broadcast(size, src=self._root, group=self.group)
-        buffer = self._framed(data if self.rank == 0 else b"", int(size.item()))
+        length = int(size.item())
+        self._released(size)
+        buffer = self._framed(data if self.rank == 0 else b"", length)
         _c10d.broadcast(buffer, src=self._root, group=self.group)
-        return self._unframed(buffer)
+        result = self._unframed(buffer)
+        self._released(buffer)
+        return result
 
     # ---- JSON ----------------------------------------------------------------------
     def all_gather_json(self, obj: Any, max_size: Optional[int] = None) -> List[Any]:

@@ -4,7 +4,8 @@ ft_launcher extends torchrun and torch.distributed.elastic through names that ar
 public API: torchrun's argument parser and config builder, the elastic agent's protected
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
 restarts. The in-process Wrapper lists every process group through c10d's private registry
-and aborts an NCCL group through its backend object. A torch release may rename or drop any
+and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
+C++ reference count to know when gloo's thread has let go of it. A torch release may rename or drop any
 of them; the symptom would then be a launcher that silently stops restarting, an abort
 that does nothing, or ranks that name their next process group differently and hang. Every such use goes through this module, which checks the name when it
 is first needed and raises TorchCompatError naming the torch version, the missing name and
@@ -104,3 +105,11 @@ def nccl_backend(group: Any) -> Any:
     """The NCCL backend object of `group` (its abort() makes blocked collectives return)."""
     get_backend = require(group, "_get_backend", "a process group's per-device backend")
     return get_backend(torch.device("cuda"))
+
+
+# ---- tensors -------------------------------------------------------------------------------
+
+def tensor_use_count(tensor: torch.Tensor) -> int:
+    """How many references the C++ side holds to `tensor` (the caller's own counts as one):
+    nvrx_core.collectives waits until a backend's worker thread has let go of a tensor."""
+    return require(torch.Tensor, "_use_count", "a tensor's C++ reference count")(tensor)

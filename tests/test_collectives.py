@@ -8,7 +8,9 @@ import datetime
 import json
 import multiprocessing
 import os
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -65,8 +67,64 @@ def _exercise(rank, world):
     if rank == 0:
         alone = Collectives(solo)
         r["solo"] = {"alone": alone.alone, "max": alone.all_reduce_max([7]), "gather": alone.gather_json("me")}
+    r["release"] = _exercise_late_release(coll, rank)
     dist.barrier()
     return r
+
+
+def _exercise_late_release(coll, rank, hold_s=0.3):
+    """gloo's worker thread keeps a reference to a collective's tensors for a while after
+    wait() returned. Here every c10d operation is made to keep one for hold_s seconds:
+    each helper must return only after that, and then nothing may hold its tensors, so
+    their Python objects are freed on the caller's thread, never on the backend's."""
+    from torch.distributed import distributed_c10d
+
+    handed = []     # (weakref to a tensor given to the backend, event set once it let go)
+
+    def hold(tensor):
+        released, held = threading.Event(), [tensor.view(-1)]    # a view references its base
+        handed.append((weakref.ref(tensor), released))
+
+        def let_go():
+            held.clear()
+            released.set()
+        threading.Timer(hold_s, let_go).start()
+
+    def holding(name):
+        op = getattr(distributed_c10d, name)
+
+        def call(*args, **kwargs):
+            result = op(*args, **kwargs)
+            for arg in args[:2]:                     # the tensor, or output list and input
+                for tensor in arg if isinstance(arg, (list, tuple)) else [arg]:
+                    if isinstance(tensor, torch.Tensor):
+                        hold(tensor)
+            return result
+        setattr(distributed_c10d, name, call)
+        return name, op
+
+    originals = dict(holding(name) for name in ("all_reduce", "all_gather", "broadcast", "gather"))
+    calls = {
+        "all_reduce_max": lambda: coll.all_reduce_max([rank]),
+        "all_reduce_max_": lambda: coll.all_reduce_max_(torch.tensor([rank])).item(),
+        "broadcast_floats": lambda: coll.broadcast_floats([1.0] if rank == 0 else None, 1),
+        "all_gather_json": lambda: coll.all_gather_json(rank),
+        "gather_json": lambda: coll.gather_json(rank),
+        "broadcast_json": lambda: coll.broadcast_json(rank),
+    }
+    outcomes = {}
+    try:
+        for name, run in calls.items():
+            start = len(handed)
+            run()
+            mine = handed[start:]
+            outcomes[name] = {"handed": len(mine),
+                              "returned_after_backend_let_go": all(e.is_set() for _, e in mine),
+                              "not_held_after_return": all(ref() is None for ref, _ in mine)}
+    finally:
+        for name, op in originals.items():
+            setattr(distributed_c10d, name, op)
+    return outcomes
 
 
 def _run_ranks(world, out_dir, deadline_s=120.0):
@@ -110,6 +168,12 @@ def test_collectives_on_three_gloo_ranks(tmp_path):
     assert results[1]["sub"] == {"rank": 0, "world": 2, "gather": [1, 2], "bcast": "from 1", "max": [2]}
     assert results[2]["sub"] == {"rank": 1, "world": 2, "gather": None, "bcast": "from 1", "max": [2]}
     assert results[0]["solo"] == {"alone": True, "max": [7], "gather": ["me"]}
+    for r in results:
+        assert len(r["release"]) == 6
+        for name, outcome in r["release"].items():
+            assert outcome["handed"] >= 1, name
+            assert outcome["returned_after_backend_let_go"], name
+            assert outcome["not_held_after_return"], name
 
 
 def test_without_torch_distributed_every_collective_is_local(monkeypatch):

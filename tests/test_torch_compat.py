@@ -33,6 +33,12 @@ def test_the_installed_torch_has_everything_we_use():
     parser, config_from_args, parse_min_max_nnodes = torch_compat.torchrun_cli()
     assert parse_min_max_nnodes("1:2") == (1, 2)
     assert parser().parse_args(["--nproc-per-node", "2", "train.py"]).nproc_per_node == "2"
+    tensor = torch.zeros(2)
+    assert torch_compat.tensor_use_count(tensor) == 1
+    view = tensor.view(-1)
+    assert torch_compat.tensor_use_count(tensor) == 2      # a view keeps its base alive
+    del view
+    assert torch_compat.tensor_use_count(tensor) == 1
 
 
 def test_all_process_groups_lists_subgroups(tmp_path):

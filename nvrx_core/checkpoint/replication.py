@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from nvrx_core import durable
-from nvrx_core.checkpoint.collectives import wait_released
+from nvrx_core.collectives import wait_released
 from nvrx_core.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from nvrx_core.checkpoint.layout import Checksum, FileEntry, Manifest, check_entry, write_manifest
 from nvrx_core.checkpoint.shards import byte_view
