@@ -142,6 +142,28 @@ def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_pa
     fresh.shutdown_workload_monitoring()
 
 
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=60, initial_rank_heartbeat_timeout=60,
+                                          rank_section_timeouts={"setup": 60, "step": 60}, safety_factor=3,
+                                          num_warmup_iterations=0)], indirect=True)
+def test_excluded_timeouts_are_not_learned_and_keep_their_earlier_value(monitor):
+    """A run that started from scratch must not learn how long a start takes."""
+    client = monitor.client()
+    with client.section("setup"):
+        time.sleep(0.05)
+    for _ in range(3):
+        with client.section("step"):
+            time.sleep(0.05)
+        client.send_heartbeat()
+    assert client.calculate_and_set_timeouts(exclude=("initial_heartbeat", "setup", "not-a-section"))
+    learned = client.calculated
+    assert learned.initial_heartbeat is None and learned.sections["setup"] is None
+    assert learned.heartbeat is not None and learned.sections["step"] is not None
+    assert client.effective_timeouts.initial_heartbeat == 60 and client.effective_timeouts.sections["setup"] == 60
+    assert client.calculate_and_set_timeouts()          # nothing excluded: now learned
+    assert client.calculated.initial_heartbeat is not None and client.calculated.sections["setup"] is not None
+    client.shutdown_workload_monitoring()
+
+
 def test_corrupt_state_file_is_a_clear_error(tmp_path):
     (tmp_path / "ft_state.json").write_text("{not json")
     with pytest.raises(ConfigError, match="ft_state.json: not valid JSON"):

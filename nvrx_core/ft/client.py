@@ -20,7 +20,7 @@ import signal
 import socket
 import threading
 import time
-from typing import IO, Callable, Dict, Iterator, Optional
+from typing import IO, Callable, Dict, Iterable, Iterator, Optional
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
@@ -238,14 +238,21 @@ class RankMonitorClient:
             link.send(msg)
 
     # ---- timeouts --------------------------------------------------------------
-    def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False) -> bool:
+    def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False, exclude: Iterable[str] = ()) -> bool:
         """Collective: timeouts = safety_factor x the longest interval seen on any rank
         (at least min_calculated_timeout).
 
         Every rank must call it (it all-reduces). Values are merged with earlier calculated
         ones (max), pushed to the monitor, and kept in state_dict(). Returns False when
         skipped because some rank had not observed anything yet and skip_if_not_ready.
+
+        `exclude` names timeouts this run's observations must not set ("initial_heartbeat",
+        "heartbeat", "out_of_section" or a section name): a run that started from scratch has
+        not seen how long a start that loads a checkpoint takes, and learning its quick start
+        would kill every later restart during the load. A section the monitor does not
+        enforce is never learned anyway, so naming it is harmless.
         """
+        exclude = frozenset(exclude)
         if self._link is None:
             return False
         observed = self._observer.observed(self._section_names)
@@ -255,12 +262,13 @@ class RankMonitorClient:
         reduced = _all_reduce_max([(-1.0 if v is None else v) for v in values] + [0.0 if ready else 1.0])
         if skip_if_not_ready and reduced[-1] > 0:
             return False
-        unpack = lambda v: v if v > 0 else None  # noqa: E731
+        names = ["initial_heartbeat", "heartbeat", "out_of_section", *self._section_names]
+        learned = {n: (v if v > 0 and n not in exclude else None) for n, v in zip(names, reduced[:-1])}
         maxima = Timeouts(
-            initial_heartbeat=unpack(reduced[0]),
-            heartbeat=unpack(reduced[1]),
-            out_of_section=unpack(reduced[2]),
-            sections={n: unpack(v) for n, v in zip(self._section_names, reduced[3:-1])},
+            initial_heartbeat=learned["initial_heartbeat"],
+            heartbeat=learned["heartbeat"],
+            out_of_section=learned["out_of_section"],
+            sections={n: learned[n] for n in self._section_names},
         )
         with self._lock:
             self.calculated = self.calculated.merged_max(scale(maxima, self._safety_factor, self._min_timeout))
