@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Mapping, Optional
 from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, resolve_group
 from nvrx_core.config import build, check, load_yaml_section
 from nvrx_core.events import EventLog
-from nvrx_core.exit_codes import ExitCode
+from nvrx_core.exit_codes import ExitCode, describe
 from nvrx_core.signals import SignalClaim, SignalRegistry, default_registry
 
 logger = logging.getLogger("nvrx.preemption")
@@ -50,6 +50,11 @@ class PreemptionConfig:
     them alive until the main process has saved and shuts them down; "default" lets the
     signal kill them; "inherit" keeps the parent's recording handler."""
 
+    exit_code: int = int(ExitCode.PREEMPTED)
+    """What exit_preempted() exits with (18: "preempted, requeue me"). Another number only
+    where a scheduler template expects its own convention; never 0, which a scheduler reads
+    as "finished, do not requeue"."""
+
     def __post_init__(self) -> None:
         check(isinstance(self.signals, (list, tuple)) and len(self.signals) > 0, "signals",
               self.signals, "must be a non-empty list of signal names such as SIGTERM")
@@ -61,6 +66,9 @@ class PreemptionConfig:
               "check_every_n_steps", self.check_every_n_steps, "must be an integer >= 1")
         check(self.dataloader_workers in WORKER_POLICIES, "dataloader_workers",
               self.dataloader_workers, f"must be one of {', '.join(WORKER_POLICIES)}")
+        code = self.exit_code
+        check(isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 255, "exit_code", code,
+              "must be an integer in 1..255 (0 would tell the scheduler the job finished)")
 
     @classmethod
     def from_sources(cls, yaml_path: Optional[str] = None,
@@ -188,7 +196,8 @@ class DistributedSignalHandler:
                                   self.config.dataloader_workers, then)
 
     def exit_preempted(self) -> None:
-        """Leave with ExitCode.PREEMPTED (18) so the scheduler/launcher requeues the job."""
-        logger.warning("exiting with %s (%d) after preemption", ExitCode.PREEMPTED.name,
-                       int(ExitCode.PREEMPTED))
-        raise SystemExit(int(ExitCode.PREEMPTED))
+        """Leave with config.exit_code (ExitCode.PREEMPTED, 18, by default) so the
+        scheduler/launcher requeues the job."""
+        code = int(self.config.exit_code)
+        logger.warning("exiting with %s (%d) after preemption", describe(code), code)
+        raise SystemExit(code)

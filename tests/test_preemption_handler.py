@@ -81,6 +81,13 @@ def test_exit_preempted_uses_the_preempted_exit_code():
     assert exit_info.value.code == ExitCode.PREEMPTED == 18
 
 
+def test_exit_preempted_uses_the_configured_exit_code():
+    handler = DistributedSignalHandler(PreemptionConfig(exit_code=143), process_group=None)
+    with pytest.raises(SystemExit) as exit_info:
+        handler.exit_preempted()
+    assert exit_info.value.code == 143
+
+
 _WORKER_POLICY_SCRIPT = r"""
 import os, signal, sys, time
 from torch.utils.data import DataLoader, Dataset
@@ -153,6 +160,9 @@ def test_worker_policy_is_picklable_and_chains_the_users_init_fn():
     ({"signals": []}, "signals=\\[\\]: must be a non-empty list"),
     ({"check_every_n_steps": 0}, "check_every_n_steps=0: must be an integer >= 1"),
     ({"dataloader_workers": "kill"}, "dataloader_workers='kill': must be one of"),
+    ({"exit_code": 0}, "exit_code=0: must be an integer in 1..255"),
+    ({"exit_code": 256}, "exit_code=256: must be an integer in 1..255"),
+    ({"exit_code": "18"}, "exit_code='18': must be an integer"),
 ])
 def test_config_errors_name_field_value_and_rule(overrides, match):
     with pytest.raises(ConfigError, match=match):
