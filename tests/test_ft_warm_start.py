@@ -76,3 +76,14 @@ def test_kill_process_groups_takes_children_of_a_dead_leader(tmp_path):
             os.kill(child, 9)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("start", [[], ["--no-warm-start"]], ids=["warm", "cold"])
+def test_an_uncaught_exception_prints_its_traceback_as_plain_python_does(start):
+    """A warm-started worker runs the script as a function of torch's process context, which
+    would hand the traceback only to the agent: the user must see it, as with `python train.py`."""
+    result = run_launcher(["--nproc-per-node", "1", "--max-restarts", "0", *start,
+                           os.path.join(SCRIPTS, "fail_job.py"), "--raise-error", "boom from the script"])
+    assert result.returncode != 0
+    assert "Traceback (most recent call last)" in result.stdout, result.stdout[-3000:]
+    assert "RuntimeError: boom from the script" in result.stdout, result.stdout[-3000:]

@@ -89,3 +89,9 @@ def run_target(kind: str, target: str, *argv: str) -> None:
         # sys.exit(0) is success; torch's function entrypoint path expects a plain return.
         if e.code not in (None, 0):
             raise
+    except BaseException:
+        # `python train.py` prints an uncaught exception's traceback on stderr; torch's
+        # function entrypoint would only hand it to the agent's error queue.
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        raise
