@@ -1,0 +1,239 @@
+"""NVRxPreemption in real Lightning fits on CPU.
+
+Two-rank DDP jobs (tests/scripts/lightning_preempt_job.py) get SIGTERM on rank 1 only:
+every rank stops at the same agreed global step, the checkpoint is saved, each process
+exits 18, and so does ft_launcher; a job resumed from that checkpoint with
+`fit(ckpt_path="last")` ends with the weights of a run that was never interrupted. The
+single-process tests run the Trainer in this process (devices=1, no torch.distributed).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher_util import SCRIPTS, kill_tree, kinds
+from nvrx_core.config import ConfigError
+from nvrx_core.events import read_events
+from nvrx_core.exit_codes import ExitCode
+from nvrx_core.signals import SignalClaimError, default_registry
+
+sys.path.insert(0, SCRIPTS)
+import lightning_preempt_job as job  # noqa: E402  (imports Lightning)
+
+from nvrx_lightning._compat import Callback  # noqa: E402
+from nvrx_lightning.preemption import NVRxPreemption  # noqa: E402
+
+JOB = os.path.join(SCRIPTS, "lightning_preempt_job.py")
+MAX_STEPS, CHECK_EVERY = 60, 4
+PREEMPTED = int(ExitCode.PREEMPTED)
+
+
+# ---- helpers: a job whose ranks this test starts itself, as torchrun would ----------------
+
+class Job:
+    """Two ranks with the torchelastic variables Lightning reads; the test holds the store."""
+
+    def __init__(self, out, *args, world=2):
+        os.makedirs(out, exist_ok=True)
+        self.out = out
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.procs = []
+        for rank in range(world):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("NVRX_", "FAULT_TOL_"))}
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                       TORCHELASTIC_RUN_ID="nvrx-test", TORCHELASTIC_USE_AGENT_STORE="True",
+                       TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
+                     "--check-every", str(CHECK_EVERY), *args],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def finish(self, timeout=150.0):
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job in {self.out} did not finish within {timeout} s\n{self.logs()}")
+        finally:
+            self.kill()
+        return [p.returncode for p in self.procs]
+
+    def kill(self):
+        for proc in self.procs:
+            kill_tree(proc.pid)
+            proc.wait()
+
+    def logs(self):
+        return "".join(open(os.path.join(self.out, f"rank{r}.log")).read()[-3000:] for r in range(len(self.procs)))
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def progress(out, rank):
+    return read_json(os.path.join(out, f"progress.rank{rank}")) or {}
+
+
+def result(out, rank):
+    return read_json(os.path.join(out, f"result.rank{rank}.json"))
+
+
+def wait_for(condition, timeout, what, logs):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}\n{logs()}")
+        time.sleep(0.01)
+
+
+def load_checkpoint(path):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+# ---- multi-rank ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_rank_1_stops_every_rank_at_one_step_exits_18_and_resumes_to_identical_weights(tmp_path):
+    run1, reference, run2 = (str(tmp_path / name) for name in ("run1", "reference", "run2"))
+    uninterrupted = Job(reference)               # alongside run 1: both pay Lightning's import at once
+    interrupted = Job(run1)
+    try:
+        wait_for(lambda: progress(run1, 1).get("step", -1) >= 6, 150, "run 1 training", interrupted.logs)
+        interrupted.procs[1].send_signal(signal.SIGTERM)   # only rank 1 is told
+        codes = interrupted.finish()
+        assert codes == [PREEMPTED, PREEMPTED], interrupted.logs()
+        assert uninterrupted.finish() == [0, 0], uninterrupted.logs()
+    finally:
+        interrupted.kill()
+        uninterrupted.kill()
+    results = [result(run1, r) for r in range(2)]
+    stopped = results[0]["stopped_at"]
+    assert [r["stopped_at"] for r in results] == [stopped, stopped]
+    assert [r["global_step"] for r in results] == [stopped, stopped]
+    assert stopped % CHECK_EVERY == 0 and stopped >= 6
+    assert stopped < MAX_STEPS, "the job finished before the signal arrived: the test is void"
+    assert [r["exit"] for r in results] == [PREEMPTED, PREEMPTED]
+    assert [r["signals"] for r in results] == [[], ["SIGTERM"]]     # rank 0 learnt it by agreement
+    assert all(r["handler_restored"] for r in results)             # SIGTERM's handler is the one from before fit
+    saved = os.path.join(run1, "ckpt", f"last-preempted-step={stopped}.ckpt")
+    assert load_checkpoint(saved)["global_step"] == stopped
+
+    resumed = Job(run2, "--resume", "--ckpt-dir", os.path.join(run1, "ckpt"))
+    assert resumed.finish() == [0, 0], resumed.logs()
+    assert [result(run2, r)["start_step"] for r in range(2)] == [stopped, stopped]
+    for rank in range(2):
+        expected = torch.load(os.path.join(reference, f"final.rank{rank}.pt"))
+        actual = torch.load(os.path.join(run2, f"final.rank{rank}.pt"))
+        assert expected.keys() == actual.keys()
+        assert all(torch.equal(expected[k], actual[k]) for k in expected), f"rank {rank}: weights differ"
+
+
+@pytest.mark.timeout(240)
+def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_path):
+    out, events_file = str(tmp_path), str(tmp_path / "events.jsonl")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NVRX_", "FAULT_TOL_"))}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "nvrx_core.ft.launcher", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--events-file", events_file, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
+         "--check-every", str(CHECK_EVERY)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    output = ""
+    try:
+        wait_for(lambda: progress(out, 1).get("step", -1) >= 6, 150, "both workers training", lambda: "")
+        os.kill(progress(out, 1)["pid"], signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=150)
+    finally:
+        kill_tree(launcher.pid)
+        if launcher.poll() is None:
+            output += launcher.communicate()[0]
+    assert launcher.returncode == PREEMPTED, output[-4000:]
+    results = [result(out, r) for r in range(2)]
+    assert all(r is not None and r["exit"] == PREEMPTED for r in results), (results, output[-4000:])
+    assert results[0]["stopped_at"] == results[1]["stopped_at"] < MAX_STEPS
+    events = read_events(events_file)
+    assert not kinds(events, "restart_begun")          # preempted: requeue, not restart in place
+    assert {e["rank"] for e in kinds(events, "preemption_agreed")} == {0, 1}
+    codes = {c for e in kinds(events, "workers_failed") for c in e["exit_codes"].values()}
+    # The first rank to exit 18 ends the cycle; the agent stops the other, which may already
+    # be past its exit's last Python code: 18 or killed by that SIGTERM.
+    assert PREEMPTED in codes and codes <= {PREEMPTED, -signal.SIGTERM}, codes
+
+
+# ---- single process (devices=1, no torch.distributed) -------------------------------------
+
+class SignalAt(Callback):
+    """Sends `signum` to this process at the end of the batch that reaches global step `step`."""
+
+    def __init__(self, signum, step):
+        self.signum, self.step = signum, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.timeout(120)
+def test_one_process_signal_stops_saves_exits_and_a_second_fit_resumes(tmp_path):
+    assert not dist.is_initialized()
+    watched = (signal.SIGTERM, signal.SIGUSR1)
+    before = {s: signal.getsignal(s) for s in watched}
+    preemption = NVRxPreemption(signals=["SIGUSR1"], check_every_n_steps=3, exit_code=143,
+                                dirpath=tmp_path / "stop")
+    sender = SignalAt(signal.SIGUSR1, 4)
+    trainer = job.make_trainer(str(tmp_path), 1, 12, [sender, preemption])
+    model = job.StepSeededNet()
+    with pytest.raises(SystemExit) as stop:
+        trainer.fit(model)
+    assert stop.value.code == 143
+    assert preemption.stopped_at_step == 6 and trainer.global_step == 6   # the first check after the signal
+    assert preemption.received == [signal.SIGUSR1]
+    assert {s: signal.getsignal(s) for s in watched} == before
+    saved = str(tmp_path / "stop" / "last-preempted-step=6.ckpt")
+    assert load_checkpoint(saved)["global_step"] == 6
+
+    sender.step = -1                              # the same Trainer again, from the checkpoint, no signal
+    trainer.fit(model, ckpt_path=saved)
+    assert trainer.global_step == 12 and preemption.stopped_at_step is None and preemption.received == []
+    assert {s: signal.getsignal(s) for s in watched} == before
+    assert default_registry().owner(signal.SIGUSR1) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_held_by_another_part_is_refused_naming_both_owners(tmp_path):
+    before = signal.getsignal(signal.SIGUSR2)
+    claim = default_registry().claim(signal.SIGUSR2, "in-process restart", lambda *a: None)
+    try:
+        trainer = job.make_trainer(str(tmp_path), 1, 3, [NVRxPreemption(signals=[signal.SIGUSR2])])
+        with pytest.raises(SignalClaimError, match="preemption cannot claim SIGUSR2: it is held by in-process restart"):
+            trainer.fit(job.StepSeededNet())
+    finally:
+        claim.release()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"signals": ["SIGKILL"]}, "signals='SIGKILL': cannot be caught"),
+    ({"signals": ["SIGNOPE"]}, "signals='SIGNOPE': is not a signal name"),
+    ({"check_every_n_steps": 0}, "check_every_n_steps=0: must be an integer >= 1"),
+    ({"exit_code": 0}, "exit_code=0: must be an integer in 1..255"),
+    ({"dirpath": 5}, "dirpath=5: must be a directory path or None"),
+])
+def test_bad_arguments_are_refused_naming_the_argument(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        NVRxPreemption(**kwargs)
