@@ -164,6 +164,26 @@ def test_excluded_timeouts_are_not_learned_and_keep_their_earlier_value(monitor)
     client.shutdown_workload_monitoring()
 
 
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None,
+                                          rank_section_timeouts={"step": 60, "checkpointing": None},
+                                          safety_factor=3, num_warmup_iterations=0)], indirect=True)
+def test_learning_never_switches_on_a_timeout_the_launcher_left_unenforced(monitor):
+    """A rank that sends heartbeats too (a framework callback does) under section timeouts."""
+    client = monitor.client()
+    for _ in range(3):
+        with client.section("step"):
+            time.sleep(0.05)
+        with client.section("checkpointing"):
+            pass
+        client.send_heartbeat()
+    assert client.calculate_and_set_timeouts()
+    learned = client.calculated
+    assert learned.sections["step"] is not None
+    assert (learned.heartbeat, learned.initial_heartbeat, learned.sections["checkpointing"]) == (None, None, None)
+    assert client.effective_timeouts.heartbeat is None
+    client.shutdown_workload_monitoring()
+
+
 def test_corrupt_state_file_is_a_clear_error(tmp_path):
     (tmp_path / "ft_state.json").write_text("{not json")
     with pytest.raises(ConfigError, match="ft_state.json: not valid JSON"):

@@ -72,6 +72,8 @@ class RankMonitorClient:
         """Timeouts learned by calculate_and_set_timeouts(), merged across cycles (saved in state)."""
         self.effective_timeouts: Optional[Timeouts] = None
         """What the monitor enforces for this rank, after the last update."""
+        self._unenforced: frozenset = frozenset()
+        """Timeouts the launcher left unenforced (None): learning never switches one on."""
         self._dump_signal: Optional[signal.Signals] = None
         self._dump_file: Optional[IO[str]] = None
         self._dump_claim: Optional[SignalClaim] = None
@@ -118,6 +120,7 @@ class RankMonitorClient:
         self._min_timeout = float(cfg.get("min_calculated_timeout", 0.0))
         self._section_names = tuple(sorted(cfg["rank_section_timeouts"]))
         self.effective_timeouts = Timeouts.from_json(reply["timeouts"], source="monitor timeouts")
+        self._unenforced = _unenforced(self.effective_timeouts)
         self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
         self._registered_at = self._clock()
         self._observer.on_start(self._registered_at)
@@ -249,10 +252,11 @@ class RankMonitorClient:
         `exclude` names timeouts this run's observations must not set ("initial_heartbeat",
         "heartbeat", "out_of_section" or a section name): a run that started from scratch has
         not seen how long a start that loads a checkpoint takes, and learning its quick start
-        would kill every later restart during the load. A section the monitor does not
-        enforce is never learned anyway, so naming it is harmless.
+        would kill every later restart during the load. A timeout the launcher left
+        unenforced is never learned (a rank that sends heartbeats under section timeouts
+        must not start being judged by them), so naming one is harmless.
         """
-        exclude = frozenset(exclude)
+        exclude = frozenset(exclude) | self._unenforced
         if self._link is None:
             return False
         observed = self._observer.observed(self._section_names)
@@ -337,6 +341,12 @@ class RankMonitorClient:
             section_ends=self._section_ends, se_age=age(self._last_section_end), iteration=self._iteration,
             timeouts=self.calculated.to_json() if self.calculated != Timeouts() else None,
         )
+
+
+def _unenforced(timeouts: Timeouts) -> frozenset:
+    names = {"initial_heartbeat": timeouts.initial_heartbeat, "heartbeat": timeouts.heartbeat,
+             "out_of_section": timeouts.out_of_section, **timeouts.sections}
+    return frozenset(name for name, seconds in names.items() if seconds is None)
 
 
 def _all_reduce_max(values: list) -> list:
