@@ -105,6 +105,21 @@ def test_fit_keeps_top_k_and_last_and_a_new_trainer_resumes_from_last(tmp_path):
     assert sorted(os.listdir(dirpath)) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
 
 
+def test_save_last_link_resumes_through_the_symlink(tmp_path):
+    dirpath = str(tmp_path / "ckpt")
+    first = TinyModel()
+    make_trainer(dirpath, max_steps=4, io=NVRxAsyncCheckpointIO(), save_last="link").fit(first)
+    last = os.path.join(dirpath, "last.ckpt")
+    assert os.readlink(last) == "epoch=0-step=4.ckpt"
+    second = TinyModel()
+    make_trainer(dirpath, max_steps=6, io=NVRxAsyncCheckpointIO(), save_last="link").fit(
+        second, ckpt_path="last")
+    assert second.start_step == 4
+    assert_equal_tensors(weights(first), second.start_weights)
+    assert os.readlink(last) == "epoch=0-step=6.ckpt"
+    assert sorted(os.listdir(dirpath)) == ["epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+
+
 def test_fit_twice_on_one_trainer(tmp_path):
     dirpath = str(tmp_path / "ckpt")
     io = NVRxAsyncCheckpointIO()
