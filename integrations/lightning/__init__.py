@@ -1,5 +1,10 @@
 """Imported as `nvrx_lightning`.
 
-Lightning callbacks (NVRxFaultTolerance, straggler, checkpoint IO) for nvrx-suite. Coming with the issues that build them;
-the mechanisms themselves live in nvrx_core.
+Lightning callbacks for nvrx-suite: translations of Lightning's hooks onto nvrx_core, where
+every mechanism lives. `Trainer(callbacks=[NVRxFaultTolerance()])`; see docs/lightning.md.
 """
+
+from nvrx_lightning.fault_tolerance import (FaultToleranceCallback, NVRxFaultTolerance, SimulatedFaultParams,
+                                            training_completed)
+
+__all__ = ["NVRxFaultTolerance", "FaultToleranceCallback", "SimulatedFaultParams", "training_completed"]
