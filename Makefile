@@ -43,8 +43,9 @@ peer: $(PEER_VENV)/.installed
 $(PEER_VENV)/.installed:
 	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/python -c "import torch" 2>/dev/null || $(PEER_VENV)/bin/pip install -q $(TORCH_PIN)
-	# numpy: nvidia-resiliency-ext's checkpointing imports it without declaring it
-	$(PEER_VENV)/bin/pip install -q nvidia-resiliency-ext==0.4.1 numpy
+	# numpy: nvidia-resiliency-ext's checkpointing imports it without declaring it;
+	# lightning: its FaultToleranceCallback, the peer of bench/lightning.py
+	$(PEER_VENV)/bin/pip install -q nvidia-resiliency-ext==0.4.1 numpy 'lightning>=2.4'
 	touch $@
 
 bench: venv peer
