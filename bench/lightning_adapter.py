@@ -1,5 +1,4 @@
-"""Lightning adapter: what the callbacks cost per step, how fast a killed rank's job is back,
-and how long a ModelCheckpoint save blocks the loop.
+"""Lightning adapter: what the callbacks cost per step, and how fast a killed rank's job is back.
 
     .venv/bin/python bench/lightning_adapter.py [--peer-python .venv-peer/bin/python] [--runs 3]
 
@@ -16,7 +15,7 @@ would stand in for the `lightning` package in every job started from bench/.)
    preloaded into its fork server (--warm-start-preload lightning.pytorch,nvrx_lightning) and
    NVRxFaultTolerance; peers: torchrun (no callback), nvidia-resiliency-ext 0.4.1's
    ft_launcher with its FaultToleranceCallback (when --peer-python has it).
-3. Checkpoint blocking: bench/lightning_checkpoint.py (its own docstring).
+How long a ModelCheckpoint save blocks the loop is bench/lightning_checkpoint.py's figure.
 
 Prints `name: ours X, peer(...) Y, ratio Z` lines.
 """
@@ -145,15 +144,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peer-python", default="", help="python of the venv with nvidia-resiliency-ext 0.4.1")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--only", choices=("overhead", "restart", "checkpoint"), default=None)
+    parser.add_argument("--only", choices=("overhead", "restart"), default=None)
     args = parser.parse_args()
     if args.only in (None, "overhead"):
         overhead(0.05, 150, args.runs)
         overhead(0.005, 600, args.runs)
     if args.only in (None, "restart"):
         restart(args.peer_python, args.runs)
-    if args.only in (None, "checkpoint"):
-        return subprocess.call([sys.executable, os.path.join(HERE, "lightning_checkpoint.py")])
     return 0
 
 
