@@ -207,3 +207,14 @@ def test_ported_callback_takes_nvidia_resiliency_ext_argument_names(tmp_path):
     assert ported.state_dir == str(tmp_path) and ported.write_finished_flag is False
     fault = ported.simulated_fault
     assert (fault.fault_type, fault.base_delay, fault.jitter, fault.rank_to_fail) == ("rank_killed", 5, 1, 1)
+
+
+def test_the_lightning_example_runs_under_ft_launcher_with_every_part_on(tmp_path):
+    example = os.path.join(os.path.dirname(SCRIPTS), os.pardir, "examples", "lightning_ft.py")
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "0",
+                           "--warm-start-preload", "lightning.pytorch,nvrx_lightning",
+                           os.path.abspath(example), "--root", str(tmp_path), "--max-steps", "120"], timeout=280)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "`Trainer.fit` stopped: `max_steps=120` reached" in result.stdout
+    assert (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "ft_state" / "ft_state.json").exists()     # learned at the end of the fit
