@@ -173,6 +173,30 @@ def test_fit_twice_on_one_trainer_connects_and_undoes_everything_each_time(tmp_p
         monitor.close()
 
 
+def test_a_new_run_uses_the_timeouts_the_state_dir_kept(tmp_path, monkeypatch):
+    """Run 1 learns and writes ft_state.json; run 2 (a new Trainer, no checkpoint) pushes
+    them to the monitor at setup, before its first step."""
+    monitor = MonitorThread(tmp_path, send_signal=lambda watch, sig: True)
+    try:
+        monkeypatch.setenv("NVRX_FT_MONITOR_SOCKET", monitor.path)
+        checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)
+        trainer_for(tmp_path, [NVRxFaultTolerance(), checkpoints], max_steps=6).fit(TinyModel())
+        learned = json.loads((tmp_path / "ft_state" / "ft_state.json").read_text())["calculated_timeouts"]
+        assert learned["heartbeat"] is not None
+
+        class Enforced(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                watch = monitor.watch(os.getpid())
+                wait_for(lambda: watch.timeouts.heartbeat == pytest.approx(learned["heartbeat"]),
+                         what="the learned heartbeat timeout enforced before the first step")
+                self.checked = True
+        enforced = Enforced()
+        trainer_for(tmp_path, [NVRxFaultTolerance(), enforced], max_steps=2).fit(TinyModel())
+        assert enforced.checked
+    finally:
+        monitor.close()
+
+
 def test_outside_ft_launcher_it_says_so_once_and_does_nothing(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("NVRX_FT_MONITOR_SOCKET", raising=False)
     monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(tmp_path / "finished"))
