@@ -110,7 +110,7 @@ if args.checkpoint_every:
                                                   every_n_train_steps=args.checkpoint_every))
 trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)), strategy="ddp",
-    max_steps=args.steps, callbacks=[StepClock(), *callbacks], plugins=plugins,
+    max_steps=args.steps, callbacks=[StepClock(), *callbacks], plugins=plugins, default_root_dir=args.workdir,
     enable_checkpointing=bool(args.checkpoint_every), logger=False, enable_progress_bar=False,
     enable_model_summary=False, num_sanity_val_steps=0,
 )
