@@ -31,7 +31,8 @@ from nvrx_lightning._compat import Callback  # noqa: E402
 from nvrx_lightning.preemption import NVRxPreemption  # noqa: E402
 
 JOB = os.path.join(SCRIPTS, "lightning_preempt_job.py")
-MAX_STEPS, CHECK_EVERY = 60, 4
+MAX_STEPS, CHECK_EVERY = 100, 4
+PACED = ("--pace-s", "0.03")  # a run to be signalled: >= 3 s of training; the others run unpaced
 PREEMPTED = int(ExitCode.PREEMPTED)
 
 
@@ -54,7 +55,7 @@ class Job:
             with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
-                     "--check-every", str(CHECK_EVERY), *args],
+                     "--check-every", str(CHECK_EVERY), "--pace-s", "0", *args],
                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def finish(self, timeout=150.0):
@@ -111,7 +112,7 @@ def load_checkpoint(path):
 def test_sigterm_to_rank_1_stops_every_rank_at_one_step_exits_18_and_resumes_to_identical_weights(tmp_path):
     run1, reference, run2 = (str(tmp_path / name) for name in ("run1", "reference", "run2"))
     uninterrupted = Job(reference)               # alongside run 1: both pay Lightning's import at once
-    interrupted = Job(run1)
+    interrupted = Job(run1, *PACED)
     try:
         wait_for(lambda: progress(run1, 1).get("step", -1) >= 6, 150, "run 1 training", interrupted.logs)
         interrupted.procs[1].send_signal(signal.SIGTERM)   # only rank 1 is told
@@ -151,7 +152,7 @@ def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_
     launcher = subprocess.Popen(
         [sys.executable, "-m", "nvrx_core.ft.launcher", "--nproc-per-node", "2", "--max-restarts", "1",
          "--events-file", events_file, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
-         "--check-every", str(CHECK_EVERY)],
+         "--check-every", str(CHECK_EVERY), *PACED],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     output = ""
     try:
@@ -237,3 +238,31 @@ def test_a_signal_held_by_another_part_is_refused_naming_both_owners(tmp_path):
 def test_bad_arguments_are_refused_naming_the_argument(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         NVRxPreemption(**kwargs)
+
+
+class SlowIO(job.pl.plugins.TorchCheckpointIO):
+    """Writes after a pause, so an asynchronous save is still in flight for a while."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        time.sleep(0.5)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class SeenOnException(Callback):
+    def __init__(self):
+        self.files = None
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.files = sorted(os.listdir(trainer.default_root_dir + "/stop"))
+
+
+@pytest.mark.timeout(120)
+def test_an_asynchronous_save_is_written_before_the_exit_begins(tmp_path):
+    preemption = NVRxPreemption(signals=["SIGUSR1"], check_every_n_steps=2, dirpath=tmp_path / "stop")
+    seen = SeenOnException()
+    trainer = job.make_trainer(str(tmp_path), 1, 12, [SignalAt(signal.SIGUSR1, 1), preemption, seen])
+    trainer.strategy.checkpoint_io = job.pl.plugins.io.AsyncCheckpointIO(SlowIO())
+    with pytest.raises(SystemExit) as stop:
+        trainer.fit(job.StepSeededNet())
+    assert stop.value.code == PREEMPTED
+    assert seen.files == ["last-preempted-step=2.ckpt"]   # already there when on_exception ran

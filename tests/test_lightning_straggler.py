@@ -65,11 +65,13 @@ def test_slow_rank_named_by_the_second_report_scores_logged_then_checkpoint_and_
     found = kinds(read_events(events_file), STRAGGLER_FOUND)
     assert found and {e["straggler_rank"] for e in found} == {1}
     assert all(e["action"] == "stop" and e["report_index"] <= 2 for e in found)
-    # Reports before the stopping one reach the Trainer's loggers on rank 0 only.
+    # Reports before the stopping one reach the Trainer's loggers, on rank 0 only. Lightning
+    # hands a value a callback logged to the loggers again at every later step of the epoch.
     rows = score_rows(logged(out, 0))
-    assert len(rows) == results[0]["last_report"] - 1 and not score_rows(logged(out, 1))
+    assert rows and not score_rows(logged(out, 1))
+    assert len({row["gpu_relative_perf/min"] for row in rows}) == results[0]["last_report"] - 1
     for row in rows:
-        assert row["gpu_relative_perf/min"] == pytest.approx(1 / 1.4, abs=0.06), row   # rank 1
+        assert 0.6 < row["gpu_relative_perf/min"] < 0.8, row                            # rank 1: ~1/1.4
         assert row["gpu_relative_perf/max"] == pytest.approx(1.0), row                 # rank 0
 
 

@@ -6,10 +6,10 @@ step, saves a checkpoint and exits with ExitCode.PREEMPTED (18), "requeue me".
 
 Why the callback holds the signal itself while training runs: Lightning 2.6's SIGTERM
 handler assumes every rank is signalled. With more than one rank it runs a broadcast from
-inside the handler, and the loops then raise SIGTERMException (a SystemExit with no code:
-exit status 0) on the signalled rank alone. A scheduler that drains one node first, or a
-launcher that signals one worker, thus leaves a rank that ran an unpaired collective and
-left "successfully" while its peers block in their next collective.
+inside the handler, which the other ranks do not pair with that call, and the loops then
+stop the signalled rank alone (SIGTERMException). Sent to one rank, as when a scheduler
+drains one node first or a launcher signals one worker, the job deadlocks (2.6.6, gloo:
+both ranks of a 2-rank job stay blocked at the step where the signal arrived).
 
 So the configured signals are claimed from nvrx_core's signal registry (the one owner of
 signal dispositions in our code) once the Trainer has installed its own handlers, at
@@ -23,9 +23,9 @@ The handler only records the signal (nvrx_core.preemption.DistributedSignalHandl
 no collective). At the end of a training batch whose optimizer step reached a multiple of
 check_every_n_steps, the ranks agree with one all-reduce; on an agreed stop every rank
 sets `trainer.should_stop`, saves through `trainer.save_checkpoint` and raises
-SystemExit(exit_code). The exit goes through Lightning's exception path: `on_exception`
-hooks run, the strategy's teardown finishes an asynchronous save, the process exits with
-the code. Nothing on that path communicates.
+SystemExit(exit_code) once the checkpoint is written on every rank (save_before_exit). The
+exit goes through Lightning's exception path: `on_exception` hooks run, the Trainer tears
+down, the process exits with the code. Nothing on that path communicates.
 
 The checkpoint is `<dir>/last-preempted-step=<global_step>.ckpt`, where <dir> is `dirpath`,
 else the first ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`. Its name
@@ -122,7 +122,7 @@ class NVRxPreemption(Callback):
         path = os.path.join(self._checkpoint_dir, f"{CHECKPOINT_PREFIX}-step={step}.ckpt")
         logger.warning("preemption agreed at global step %d: saving %s, then exiting with %d",
                        step, path, self.config.exit_code)
-        trainer.save_checkpoint(path)  # every rank: the strategy decides who writes
+        save_before_exit(trainer, path)
         self._handler.exit_preempted()  # SystemExit(exit_code); on_exception gives the signals back
 
     # ---- undo, on every way out
@@ -135,6 +135,17 @@ class NVRxPreemption(Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._release()
+
+
+def save_before_exit(trainer: Any, path: str) -> None:
+    """Save a full checkpoint on every rank (the strategy picks the writer), wait until an
+    asynchronous CheckpointIO has written it (its teardown waits, and its next save starts
+    it again), then meet at a barrier. No rank leaves before the checkpoint exists, so a
+    launcher that stops the other ranks as soon as one exits cannot cut the write short.
+    Clean path only: every rank calls it at the same agreed step."""
+    trainer.save_checkpoint(path, weights_only=False)
+    trainer.strategy.checkpoint_io.teardown()
+    trainer.strategy.barrier("nvrx_lightning.save_before_exit")
 
 
 def checkpoint_dir(trainer: Any, dirpath: Optional[str]) -> str:

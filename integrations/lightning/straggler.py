@@ -23,8 +23,9 @@ stop_if_detected: the report's stop decision is rank 0's, broadcast to all, so e
 stops at the same step: it sets `trainer.should_stop`, saves through
 `trainer.save_checkpoint` to `<dir>/last-straggler-stop-step=<global_step>.ckpt` (<dir>:
 `dirpath`, else the first ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`;
-`fit(ckpt_path="last")` finds it in a ModelCheckpoint's directory) and exits with
-ExitCode.STRAGGLER_STOP (19) through Lightning's exception path. The scores of the report
+`fit(ckpt_path="last")` finds it in a ModelCheckpoint's directory), waits until it is
+written on every rank, and exits with ExitCode.STRAGGLER_STOP (19) through Lightning's
+exception path. The scores of the report
 that stops are in the log table and the events, not in the Trainer's loggers (the process
 leaves before Lightning flushes that step's metrics).
 
@@ -42,7 +43,7 @@ from nvrx_core.config import ConfigError, build, check
 from nvrx_core.straggler import OVERALL, Detector, Report, StragglerConfig
 
 from nvrx_lightning._compat import Callback
-from nvrx_lightning.preemption import checkpoint_dir
+from nvrx_lightning.preemption import checkpoint_dir, save_before_exit
 
 logger = logging.getLogger("nvrx.lightning.straggler")
 
@@ -156,10 +157,10 @@ class NVRxStragglerDetection(Callback):
     def _save_before_stop(self, trainer: Any, report: Report) -> None:
         """The Detector's checkpoint hook: every rank, same step, before it exits 19."""
         trainer.should_stop = True
-        self.last_report = report
+        self.last_report, self.report_count = report, report.index
         path = os.path.join(self._checkpoint_dir, f"{CHECKPOINT_PREFIX}-step={trainer.global_step}.ckpt")
         logger.error("straggler stop (rank(s) %s flagged): saving %s", list(report.flagged_ranks), path)
-        trainer.save_checkpoint(path)
+        save_before_exit(trainer, path)
 
     # ---- undo, on every way out
 
