@@ -240,6 +240,13 @@ def test_bad_arguments_are_refused_naming_the_argument(kwargs, match):
         NVRxPreemption(**kwargs)
 
 
+def test_signals_by_name_number_or_alone():
+    assert NVRxPreemption().config.signals == ["SIGTERM"]
+    assert NVRxPreemption(signals="SIGUSR1").config.signals == ["SIGUSR1"]
+    assert NVRxPreemption(signals=[signal.SIGUSR2, "SIGTERM"]).config.signals == ["SIGUSR2", "SIGTERM"]
+    assert NVRxPreemption().config.exit_code == PREEMPTED and NVRxPreemption().config.check_every_n_steps == 10
+
+
 class SlowIO(job.pl.plugins.TorchCheckpointIO):
     """Writes after a pause, so an asynchronous save is still in flight for a while."""
 

@@ -36,7 +36,7 @@ ModelCheckpoint uses that directory; otherwise pass its path.
 import logging
 import os
 import signal
-from typing import Any, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 from nvrx_core.config import check
 from nvrx_core.exit_codes import ExitCode
@@ -66,6 +66,8 @@ class NVRxPreemption(Callback):
 
     def __init__(self, signals: Sequence[Union[str, int]] = ("SIGTERM",), check_every_n_steps: int = 10,
                  exit_code: int = int(ExitCode.PREEMPTED), dirpath: Optional[Union[str, os.PathLike]] = None):
+        if isinstance(signals, (str, int)):
+            signals = [signals]
         names = [_signal_name(s) for s in signals] if isinstance(signals, (list, tuple)) else signals
         self.config = PreemptionConfig(signals=names, check_every_n_steps=check_every_n_steps, exit_code=exit_code)
         check(dirpath is None or isinstance(dirpath, (str, os.PathLike)), "dirpath", dirpath,
@@ -74,26 +76,30 @@ class NVRxPreemption(Callback):
         self._handler: Optional[DistributedSignalHandler] = None
         self._checkpoint_dir: Optional[str] = None
         self._last_step: Optional[int] = None
-        self.received: list = []
-        """Signal numbers this rank received during the current (or last) fit."""
+        self._received: List[int] = []
         self.stopped_at_step: Optional[int] = None
         """The global step of the agreed stop, once there was one."""
+
+    @property
+    def received(self) -> List[int]:
+        """Signal numbers this rank received during the current (or last) fit."""
+        return list(self._handler.received) if self._handler is not None else list(self._received)
 
     # ---- holding the signals while training runs
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            self.received, self.stopped_at_step = [], None
+            self._received, self.stopped_at_step = [], None
 
     def on_sanity_check_start(self, trainer: Any, pl_module: Any) -> None:
-        self._hold(trainer)
+        self._hold()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._hold(trainer)
+        self._hold()
         self._checkpoint_dir = checkpoint_dir(trainer, self.dirpath)
         self._last_step = trainer.global_step
 
-    def _hold(self, trainer: Any) -> None:
+    def _hold(self) -> None:
         """Claim the signals (a fresh handler per fit: no agreement carries over). The
         Trainer installed its handlers just before; the registry restores them on release."""
         if self._handler is not None:
@@ -104,7 +110,7 @@ class NVRxPreemption(Callback):
     def _release(self) -> None:
         handler, self._handler = self._handler, None
         if handler is not None:
-            self.received = list(handler.received)
+            self._received = list(handler.received)
             handler.release()
 
     # ---- the agreed decision, on the clean path
@@ -117,7 +123,6 @@ class NVRxPreemption(Callback):
         if not self._handler.should_stop(step):
             return
         trainer.should_stop = True
-        self.received = list(self._handler.received)
         self.stopped_at_step = step
         path = os.path.join(self._checkpoint_dir, f"{CHECKPOINT_PREFIX}-step={step}.ckpt")
         logger.warning("preemption agreed at global step %d: saving %s, then exiting with %d",

@@ -13,11 +13,12 @@ The backward pass is left out because DDP's gradient all-reduce runs inside it: 
 fast ranks wait for the slow one, so timing it would even the ranks out.
 
 Every rank calls Detector.step() at the end of each training batch (DDP ranks see the same
-number of batches); the few collectives it makes are on that clean path. When a report
-is made, global rank 0, which holds the complete report, logs the peer's score
-summaries (`gpu_relative_perf/min|median|max`, `gpu_individual_perf/min|median|max`, per-step
-scores) through `pl_module.log_dict` on that step; the report table goes to `logger_name`
-and the events file as the core does it.
+number of batches); the few collectives it makes are on that clean path. On the step a
+report is made, global rank 0, which holds the complete report, logs the peer's summaries
+of the per-step scores (`gpu_relative_perf/min|median|max`, `gpu_individual_perf/...`)
+through `pl_module.log_dict`; Lightning hands a value logged from a callback to the loggers
+again at every later step of the epoch, until the next report replaces it. The report table
+goes to `logger_name`, and events to the events file, as the core does it.
 
 stop_if_detected: the report's stop decision is rank 0's, broadcast to all, so every rank
 stops at the same step: it sets `trainer.should_stop`, saves through
@@ -25,14 +26,14 @@ stops at the same step: it sets `trainer.should_stop`, saves through
 `dirpath`, else the first ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`;
 `fit(ckpt_path="last")` finds it in a ModelCheckpoint's directory), waits until it is
 written on every rank, and exits with ExitCode.STRAGGLER_STOP (19) through Lightning's
-exception path. The scores of the report
-that stops are in the log table and the events, not in the Trainer's loggers (the process
-leaves before Lightning flushes that step's metrics).
+exception path. The scores of the report that stops are in the log table and the events,
+not in the Trainer's loggers (the process leaves before Lightning flushes that step).
 
 The wrapper on `training_step` and the detector live for one fit: made in on_train_start,
 removed in on_train_end, on_exception and teardown.
 """
 
+import functools
 import logging
 import os
 import re
@@ -138,7 +139,7 @@ class NVRxStragglerDetection(Callback):
         self._close()
         self.last_report, self.report_count = None, 0
         self._checkpoint_dir = checkpoint_dir(trainer, self.dirpath)
-        hook = (lambda report: self._save_before_stop(trainer, report)) if self.config.stop_if_detected else None
+        hook = functools.partial(self._save_before_stop, trainer) if self.config.stop_if_detected else None
         self._detector = Detector(self.config, checkpoint_hook=hook)
         self._detector.wrap_attribute(trainer.strategy, "training_step", name=TIMED_SECTION)
 
