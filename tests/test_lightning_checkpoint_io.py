@@ -263,7 +263,7 @@ def test_ddp_only_global_rank_zero_writes_and_every_rank_resumes_from_last(tmp_p
     for rank in ranks:
         assert rank["start_step"] == 4 and not rank["writer_after_teardown"]
         assert rank["start_of_second"] == ranks[0]["end_of_first"]
-    assert sorted(os.listdir(dirpath)) == ["epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(dirpath)) == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
 
 
 def test_storage_options(tmp_path):
