@@ -262,3 +262,43 @@ def test_bad_arguments_are_named(tmp_path):
         ckpt.save(state(1), tmp_path / "ok.ckpt")
     with pytest.raises(TypeError, match="map_location"):
         load_path(tmp_path / "ok.ckpt", map_location=lambda storage, loc: storage)
+
+
+def test_the_sweep_spares_a_live_writer_in_the_same_directory(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    first, second = PathCheckpointer(), PathCheckpointer()
+    first.save(state(1), tmp_path / "a.ckpt")
+    assert gate.reached.wait(60)                 # first's partial directory is on disk
+    second.save(state(2), tmp_path / "b.ckpt")   # its sweep must leave first's files alone
+    gate.released.set()
+    first.close(), second.close()
+    assert_state(load_path(tmp_path / "a.ckpt"), 1)
+    assert_state(load_path(tmp_path / "b.ckpt"), 2)
+    assert hidden_entries(tmp_path) == []
+
+
+def test_the_sweep_spares_a_writer_alive_in_another_process(tmp_path):
+    """A process holding its writer lock keeps its partial directory; once it has exited
+    (killed: the kernel drops the lock) the next sweep removes both."""
+    import subprocess
+    import sys
+
+    run = 0xABCDEF
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from nvrx_core.checkpoint.path_publish import "
+         f"hold_writer_lock; assert hold_writer_lock({str(tmp_path)!r}, {run}) is not None; "
+         "print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        partial = hidden_name(str(tmp_path / "last.ckpt"), "partial", run, 1)
+        os.makedirs(partial)
+        with PathCheckpointer() as ckpt:
+            ckpt.save(state(1), tmp_path / "x.ckpt")
+        assert os.path.isdir(partial)
+    finally:
+        holder.kill()
+        holder.wait()
+    with PathCheckpointer() as ckpt:
+        ckpt.save(state(2), tmp_path / "y.ckpt")
+    assert hidden_entries(tmp_path) == []

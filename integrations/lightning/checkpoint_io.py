@@ -129,12 +129,13 @@ class NVRxAsyncCheckpointIO(CheckpointIO):
         target = checkpoint_path(path)
         if self._checkpointer is not None:
             self._checkpointer.wait_for(target)
-        if os.path.islink(target) or is_path_checkpoint(target):
-            run_id = self._checkpointer.run_id if self._checkpointer is not None else os.getpid()
-            remove_checkpoint(target, run_id)
-            logger.debug("removed checkpoint %s", target)
-        else:
+        if not (os.path.islink(target) or is_path_checkpoint(target)):
             self.checkpoint_io.remove_checkpoint(path)
+        elif self._checkpointer is not None:
+            self._checkpointer.remove(target)        # the bytes are freed in the background
+        else:
+            remove_checkpoint(target, os.getpid())
+        logger.debug("removed checkpoint %s", target)
 
     def teardown(self) -> None:
         """Wait for the saves in flight and stop the writer; a later save starts a new one.

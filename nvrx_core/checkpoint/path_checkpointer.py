@@ -20,12 +20,13 @@ rank creates one. Failed saves raise CheckpointSaveError in the caller's thread,
 next save, wait_for, load, remove, finalize or close.
 """
 
+import concurrent.futures
 import logging
 import os
 import random
 import shutil
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
@@ -34,8 +35,9 @@ from nvrx_core.checkpoint.config import CheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointError, CheckpointNotFoundError,
                                          CheckpointSaveError, SnapshotModifiedError)
 from nvrx_core.checkpoint.layout import MANIFEST, FileEntry, Manifest, read_manifest, write_manifest
-from nvrx_core.checkpoint.path_publish import (hidden_name, publish, remove_checkpoint,
-                                               sweep_leftovers)
+from nvrx_core.checkpoint.path_publish import (hidden_name, hold_writer_lock, publish,
+                                               release_writer_lock, remove_checkpoint,
+                                               remove_entry, sweep_leftovers)
 from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline
 from nvrx_core.checkpoint.shards import SaveAborted, read_shard
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
@@ -125,7 +127,9 @@ class PathCheckpointer:
         # Names this incarnation's hidden directories: another run's are crash leftovers.
         self.run_id = random.SystemRandom().getrandbits(63)
         self._targets: Dict[int, str] = {}        # generation -> target path
-        self._swept: Set[str] = set()
+        self._locks: Dict[str, Optional[int]] = {}   # directory -> writer lock descriptor
+        self._removals = 0
+        self._deleter: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
     @property
     def pending_paths(self) -> List[str]:
@@ -144,12 +148,12 @@ class PathCheckpointer:
         over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
         self._finalize(block_first=max(0, over))
         directory = os.path.dirname(target)
-        if directory not in self._swept:
+        if directory not in self._locks:
             os.makedirs(directory, exist_ok=True)
+            self._locks[directory] = hold_writer_lock(directory, self.run_id)
             handled = sweep_leftovers(directory, self.run_id)
             if handled:
                 logger.info("cleaned up after interrupted saves in %s: %s", directory, handled)
-            self._swept.add(directory)
 
         def partial_for(generation: int) -> str:
             self._targets[generation] = target
@@ -185,16 +189,25 @@ class PathCheckpointer:
 
     def remove(self, path: PathLike) -> bool:
         """Delete the checkpoint at `path`, after finishing a save to it still in flight
-        (so it cannot reappear). Returns whether anything was there."""
+        (so it cannot reappear). Returns whether anything was there. The name is gone when
+        this returns; the bytes are freed by a background thread (close() waits for it)."""
         self.wait_for(path)
-        return remove_checkpoint(checkpoint_path(path), self.run_id)
+        self._removals += 1
+        return remove_checkpoint(checkpoint_path(path), self.run_id, self._removals,
+                                 delete=self._delete_later)
 
     def close(self) -> None:
-        """Wait for the saves in flight, then stop the background threads."""
+        """Wait for the saves in flight and the deletions, then stop the background threads."""
         try:
             self.finalize(blocking=True)
         finally:
             self._pipeline.close()
+            if self._deleter is not None:
+                self._deleter.shutdown(wait=True)
+                self._deleter = None
+            for directory, fd in self._locks.items():
+                release_writer_lock(fd, directory, self.run_id)
+            self._locks.clear()
 
     def __enter__(self) -> "PathCheckpointer":
         return self
@@ -203,6 +216,12 @@ class PathCheckpointer:
         self.close()
 
     # ---- training thread --------------------------------------------------------------------
+
+    def _delete_later(self, trash: str) -> None:
+        if self._deleter is None:
+            self._deleter = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="nvrx-ckpt-delete")
+        self._deleter.submit(remove_entry, trash)
 
     def _finalize(self, block_first: int) -> List[str]:
         committed, errors = [], []
