@@ -2,11 +2,14 @@
 NVRxAsyncCheckpointIO, Lightning's AsyncCheckpointIO and the default TorchCheckpointIO.
 
     .venv/bin/python bench/lightning_checkpoint.py [--gib 1.0] [--saves 4] [--runs 2] [--every 4]
+                                                   [--save-top-k 1]
 
 Same run, same model: LAYERS bias-free Linear(WIDTH, WIDTH) float32 layers (1 GiB of
 weights), batch 4, SGD without momentum (the optimizer holds no state), a real
 Trainer(accelerator="cpu", devices=1) with ModelCheckpoint(every_n_train_steps=every,
-save_top_k=1): each save also removes the previous checkpoint, through the plugin.
+save_top_k=1): each save also removes the previous checkpoint, through the plugin (ours
+takes the name away with a rename and frees the bytes in the background; the peers delete
+on the loop). --save-top-k -1 keeps every checkpoint: the save alone.
 
 Blocked per save = the wall time of ModelCheckpoint.on_train_batch_end on a step that
 saves: Lightning's dump_checkpoint, the plugin's save_checkpoint, the removal of the
@@ -34,7 +37,7 @@ METHODS = ("ours", "async", "torch")
 WORKER_LIMIT_S = 900.0
 
 
-def worker(method: str, gib: float, saves: int, every: int, workdir: str) -> dict:
+def worker(method: str, gib: float, saves: int, every: int, top_k: int, workdir: str) -> dict:
     """One Trainer.fit in this process; returns the blocked time of each save."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -87,7 +90,7 @@ def worker(method: str, gib: float, saves: int, every: int, workdir: str) -> dic
                       enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, default_root_dir=workdir, plugins=[io],
                       callbacks=[TimedCheckpoint(dirpath=os.path.join(workdir, "ckpt"),
-                                                 every_n_train_steps=every, save_top_k=1)])
+                                                 every_n_train_steps=every, save_top_k=top_k)])
     began = time.perf_counter()
     trainer.fit(BigModel(), DataLoader(TensorDataset(data), batch_size=BATCH))
     return {"method": method, "blocked": timings, "fit_s": time.perf_counter() - began,
@@ -97,7 +100,8 @@ def worker(method: str, gib: float, saves: int, every: int, workdir: str) -> dic
 def run_worker(method: str, args, workdir: str, log_path: str) -> dict:
     out = os.path.join(workdir, "result.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--gib", str(args.gib),
-           "--saves", str(args.saves), "--every", str(args.every), "--workdir", workdir,
+           "--saves", str(args.saves), "--every", str(args.every),
+           "--save-top-k", str(args.save_top_k), "--workdir", workdir,
            "--out", out]
     with open(log_path, "w") as log:
         code = run_group(cmd, log, dict(os.environ), WORKER_LIMIT_S)
@@ -119,13 +123,15 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=4, help="saves per process (the first is apart)")
     parser.add_argument("--runs", type=int, default=2, help="processes per method, interleaved")
     parser.add_argument("--every", type=int, default=4, help="steps between saves")
+    parser.add_argument("--save-top-k", type=int, default=1, help="ModelCheckpoint's save_top_k")
     parser.add_argument("--peer-python", default=None, help="unused: the peers are Lightning's own")
     parser.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.worker, args.gib, max(2, args.saves), args.every, args.workdir)
+        result = worker(args.worker, args.gib, max(2, args.saves), args.every, args.save_top_k,
+                        args.workdir)
         with open(args.out, "w") as f:
             json.dump(result, f)
         return
@@ -148,7 +154,8 @@ def run(args, root: str) -> None:
                 shutil.rmtree(os.path.join(workdir, "ckpt"), ignore_errors=True)
     first = results["ours"][0]
     print(f"# {args.gib:g} GiB model ({first['layers']} x Linear({WIDTH}, {WIDTH}) float32), batch "
-          f"{BATCH}, SGD; ModelCheckpoint(every_n_train_steps={args.every}, save_top_k=1); "
+          f"{BATCH}, SGD; ModelCheckpoint(every_n_train_steps={args.every}, "
+          f"save_top_k={args.save_top_k}); "
           f"{max(2, args.saves)} saves per process, {max(1, args.runs)} processes per method, "
           f"{first['threads']} torch threads, {os.cpu_count()} CPUs")
     medians = {}
