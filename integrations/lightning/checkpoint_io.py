@@ -11,11 +11,16 @@ passes (`epoch=0-step=10.ckpt`, `last.ckpt`) becomes a directory in the core's f
 published atomically under exactly that name, so ModelCheckpoint's listing of
 `last*.ckpt` finds it, and a process killed mid-save leaves the previous one intact.
 
-The mechanism is nvrx_core.checkpoint.PathCheckpointer; this class maps Lightning's four
-calls onto it, starts it on the first save (teardown stops it, so `fit` may run again)
-and re-raises a background failure at the next save and at teardown. Lightning's
-strategy calls save/remove on global rank 0 only and load on every rank; the other ranks
-never start a writer.
+The mechanism is nvrx_core.checkpoint.path_checkpointer.PathCheckpointer; this class maps
+Lightning's four calls onto it, starts it on the first save (teardown stops it, so `fit`
+may run again) and re-raises a background failure at the next save and at teardown.
+Lightning's strategy calls save/remove on global rank 0 only and load on every rank; the
+other ranks never start a writer.
+
+Limits: a checkpoint is a directory, so what reads one file with torch.load
+(`LightningModule.load_from_checkpoint(path)`, `torch.load(path)`) cannot open it; load it
+through the Trainer (`ckpt_path=...`) or `NVRxAsyncCheckpointIO().load_checkpoint(path)`,
+which needs no Trainer. Local paths only; one writing process per directory.
 """
 
 import dataclasses
