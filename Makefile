@@ -25,7 +25,7 @@ demo: venv
 	$(VENV)/bin/nvrx demo
 
 test: venv
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
 
 compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
