@@ -20,7 +20,8 @@ import time
 import torch
 
 p = argparse.ArgumentParser()
-p.add_argument("--callbacks", choices=("none", "ours", "peer"), default="none")
+p.add_argument("--callbacks", choices=("none", "ours", "peer", "ft", "straggler", "preemption"), default="none",
+               help="ft / straggler / preemption: one of ours alone (to find what a cost comes from)")
 p.add_argument("--fault", choices=("none", "kill"), default="none")
 p.add_argument("--fault-step", type=int, default=15)
 p.add_argument("--fault-rank", type=int, default=1)
@@ -89,10 +90,13 @@ class StepClock(pl.Callback):
 
 
 def resiliency_callbacks():
-    if args.callbacks == "ours":
+    if args.callbacks in ("ours", "ft", "straggler", "preemption"):
         from nvrx_lightning import NVRxFaultTolerance, NVRxPreemption, NVRxStragglerDetection
 
-        return [NVRxFaultTolerance(), NVRxStragglerDetection(), NVRxPreemption()], ["nvrx_async_io"]
+        ours = {"ft": NVRxFaultTolerance, "straggler": NVRxStragglerDetection, "preemption": NVRxPreemption}
+        if args.callbacks != "ours":
+            return [ours[args.callbacks]()], []
+        return [make() for make in ours.values()], ["nvrx_async_io"]
     if args.callbacks == "peer":
         from nvidia_resiliency_ext.ptl_resiliency import FaultToleranceCallback
 
