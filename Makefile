@@ -29,7 +29,7 @@ test: venv
 
 compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q tests
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
 
 $(COMPAT_VENV)/.installed: pyproject.toml
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
