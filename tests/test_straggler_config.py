@@ -67,7 +67,7 @@ def test_from_megatron_translates_bridge_field_names():
         report_time_interval=300.0,
         calc_relative_gpu_perf=True,
         calc_individual_gpu_perf=False,
-        num_gpus_to_print=7,
+        num_gpu_perf_scores_to_print=7,
         gpu_relative_perf_threshold=0.7,
         gpu_individual_perf_threshold=0.65,
         stop_if_detected=True,
@@ -90,3 +90,13 @@ def test_from_megatron_mapping_rejects_unknown_and_validates():
         StragglerConfig.from_megatron({"gpu_threshold": 0.7})
     with pytest.raises(ConfigError, match="relative_perf_threshold=1.7"):
         StragglerConfig.from_megatron({"gpu_relative_perf_threshold": 1.7})
+
+
+def test_from_megatron_reads_bridges_print_count_field():
+    """Bridge names the field num_gpu_perf_scores_to_print; an object is read by the names in
+    MEGATRON_FIELDS, so a wrong key there silently dropped the user's value."""
+    bridge = types.SimpleNamespace(num_gpu_perf_scores_to_print=0, num_gpus_to_print=9)
+    assert StragglerConfig.from_megatron(bridge).num_scores_to_print == 0
+    assert StragglerConfig.from_megatron({"num_gpu_perf_scores_to_print": 3}).num_scores_to_print == 3
+    with pytest.raises(ConfigError, match="unknown field.*num_gpus_to_print"):
+        StragglerConfig.from_megatron({"num_gpus_to_print": 3})

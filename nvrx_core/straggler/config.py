@@ -17,7 +17,7 @@ MEGATRON_FIELDS = {
     "report_time_interval": "report_time_interval",
     "calc_relative_gpu_perf": "calc_relative_perf",
     "calc_individual_gpu_perf": "calc_individual_perf",
-    "num_gpus_to_print": "num_scores_to_print",
+    "num_gpu_perf_scores_to_print": "num_scores_to_print",
     "gpu_relative_perf_threshold": "relative_perf_threshold",
     "gpu_individual_perf_threshold": "individual_perf_threshold",
     "stop_if_detected": "stop_if_detected",
