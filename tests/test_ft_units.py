@@ -137,6 +137,17 @@ def test_observer_skips_warmup_and_tracks_maxima():
     assert (floored.heartbeat, floored.out_of_section, floored.sections) == (7.0, 12.0, {"step": 7.0, "ckpt": None})
 
 
+def test_a_section_run_once_per_process_is_learned_from_its_only_run():
+    """'setup' runs once: warm-up would never let it be learned; its one run is the measure."""
+    o = IntervalObserver(warmup_iterations=1)
+    o.on_section_start("setup", 0.0)
+    o.on_section_end("setup", 40.0)
+    for start, end in ((41.0, 50.0), (51.0, 52.0)):
+        o.on_section_start("step", start)
+        o.on_section_end("step", end)
+    assert o.observed(["setup", "step"]).sections == {"setup": 40.0, "step": 1.0}
+
+
 def test_timeouts_merge_and_override():
     a = Timeouts(heartbeat=4.0, sections={"step": 2.0})
     b = Timeouts(heartbeat=3.0, sections={"step": 5.0, "ckpt": 9.0}, initial_heartbeat=7.0)

@@ -109,6 +109,9 @@ class IntervalObserver:
         self.first_heartbeat_delay: Optional[float] = None
         self.max_heartbeat_interval: Optional[float] = None
         self.max_section: Dict[str, float] = {}
+        self.max_section_any_run: Dict[str, float] = {}
+        """Including warm-up runs: the measure of a section that runs only once per process
+        ('setup'), which warm-up would otherwise never let be learned."""
         self.max_out_of_section: Optional[float] = None
         self.open_sections: Dict[str, float] = {}
         self._heartbeats = 0
@@ -146,19 +149,21 @@ class IntervalObserver:
             return
         runs = self._section_runs.get(name, 0) + 1
         self._section_runs[name] = runs
-        if runs > self.warmup:
-            duration = now - started
-            if duration > self.max_section.get(name, -1.0):
-                self.max_section[name] = duration
+        duration = now - started
+        if duration > self.max_section_any_run.get(name, -1.0):
+            self.max_section_any_run[name] = duration
+        if runs > self.warmup and duration > self.max_section.get(name, -1.0):
+            self.max_section[name] = duration
         if not self.open_sections:
             self._last_section_end = now
 
     def observed(self, section_names) -> Timeouts:
-        """The raw maxima (not yet scaled), None where nothing was observed."""
+        """The raw maxima (not yet scaled), None where nothing was observed. A section seen
+        only in warm-up runs gives the longest of those (a longer timeout, never a shorter)."""
         return Timeouts(
             initial_heartbeat=self.first_heartbeat_delay,
             heartbeat=self.max_heartbeat_interval,
-            sections={n: self.max_section.get(n) for n in section_names},
+            sections={n: self.max_section.get(n, self.max_section_any_run.get(n)) for n in section_names},
             out_of_section=self.max_out_of_section,
         )
 
