@@ -184,6 +184,29 @@ def test_learning_never_switches_on_a_timeout_the_launcher_left_unenforced(monit
     client.shutdown_workload_monitoring()
 
 
+@pytest.mark.parametrize("monitor", [dict(rank_section_timeouts={"step": 60})], indirect=True)
+def test_a_section_missing_from_the_configured_ones_is_warned_about_once(monitor, caplog):
+    client = monitor.client()
+    with caplog.at_level("WARNING", logger="nvrx.ft.client"):
+        for _ in range(3):
+            with client.section("stepp"):
+                pass
+            with client.section("step"):
+                pass
+    assert caplog.text.count("section 'stepp' has no timeout") == 1 and "'step' has" not in caplog.text
+    client.shutdown_workload_monitoring()
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=60)], indirect=True)
+def test_under_heartbeat_timeouts_alone_sections_are_not_warned_about(monitor, caplog):
+    client = monitor.client()
+    with caplog.at_level("WARNING", logger="nvrx.ft.client"):
+        with client.section("setup"):
+            client.send_heartbeat()
+    assert "has no timeout" not in caplog.text
+    client.shutdown_workload_monitoring()
+
+
 def test_corrupt_state_file_is_a_clear_error(tmp_path):
     (tmp_path / "ft_state.json").write_text("{not json")
     with pytest.raises(ConfigError, match="ft_state.json: not valid JSON"):

@@ -325,7 +325,9 @@ class RankMonitorClient:
     def _section_msg(self, name: str) -> tuple:
         msgs = self._section_msgs.get(name)
         if msgs is None:
-            if name not in self._section_names:
+            # A name missing from a configured set is likely a typo; with no section timeouts at
+            # all (a heartbeat-only launch) sections are simply not judged: nothing to say.
+            if self._section_names and name not in self._section_names:
                 logger.warning("section %r has no timeout in rank_section_timeouts; it is not enforced", name)
             msgs = self._section_msgs[name] = (encode("ss", name=name), encode("se", name=name))
         return msgs
