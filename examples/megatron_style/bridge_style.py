@@ -1,0 +1,258 @@
+"""A reference Megatron-Bridge-style trainer on nvrx_megatron: `pretrain(cfg, forward_step_func)`.
+
+What Bridge's training loop does with resiliency, in a few hundred lines: its ConfigContainer
+fields (`train`, `checkpoint`, `ft`, `nvrx_straggler`, `inprocess_restart`,
+`rerun_state_machine`), and every nvrx_megatron hook called where Bridge calls it. A Bridge
+user's loop ports by changing imports; this file shows where each import's functions go.
+CPU / gloo by default, NCCL on CUDA when present.
+
+Checkpoints are one torch.save file per iteration (rank 0, written atomically), holding the
+model, the optimizer, the iteration and the rerun state machine's state.
+"""
+
+import dataclasses
+import logging
+import os
+import sys
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nvrx_core.durable import atomic_write_with
+from nvrx_megatron import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,
+                           RerunStateMachineConfig)
+from nvrx_megatron import fault_tolerance
+
+logger = logging.getLogger("megatron_style")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    train_iters: int = 100
+    micro_batch_size: int = 8
+    seed: int = 1234
+    exit_signal_handler: bool = False
+    """Stop every rank at the same iteration on SIGTERM to any one rank (save, exit 18)."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: int = 10
+    async_save: bool = False
+
+
+@dataclasses.dataclass
+class ConfigContainer:
+    """Bridge's container, reduced to the fields this trainer reads."""
+
+    train: TrainConfig
+    checkpoint: CheckpointConfig
+    ft: Optional[FaultToleranceConfig] = None
+    nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
+    inprocess_restart: Optional[InProcessRestartConfig] = None
+    rerun_state_machine: RerunStateMachineConfig = dataclasses.field(default_factory=RerunStateMachineConfig)
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int = 0
+
+
+@dataclasses.dataclass
+class GlobalState:
+    """The attributes nvrx_megatron's hooks read, as on Bridge's GlobalState."""
+
+    cfg: ConfigContainer
+    train_state: TrainState = dataclasses.field(default_factory=TrainState)
+    rank_monitor_client: Any = None
+    fault_tolerance_state: Any = None
+    nvrx_straggler_manager: Any = None
+
+
+class StopTraining(Exception):
+    """A clean, agreed stop (straggler, preemption signal, rerun verdict) with its exit code."""
+
+    def __init__(self, exit_code: int, why: str):
+        super().__init__(why)
+        self.exit_code = exit_code
+
+
+def pretrain(cfg: ConfigContainer, forward_step_func: Callable, model_provider: Callable[[], torch.nn.Module],
+             data_iterator_provider: Callable[[int], Iterator]) -> int:
+    """Train to cfg.train.train_iters; returns the process exit code (0, or a stop's code)."""
+    state = GlobalState(cfg)
+    train = _train
+    store = None
+    if cfg.inprocess_restart is not None:
+        from nvrx_megatron.inprocess_restart import maybe_wrap_for_inprocess_restart
+
+        train, store = maybe_wrap_for_inprocess_restart(_train, cfg.inprocess_restart, state)
+    if store is not None:
+        return train(state, forward_step_func, model_provider, data_iterator_provider, store=store)
+    return train(state, forward_step_func, model_provider, data_iterator_provider)
+
+
+def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_provider, **inprocess: Any) -> int:
+    cfg = state.cfg
+    _init_distributed(inprocess.get("store"))
+    if cfg.ft is not None and cfg.ft.enable_ft_package:
+        fault_tolerance.setup(cfg, state)
+        fault_tolerance.maybe_setup_simulated_fault(cfg.ft)
+    else:
+        cfg.ft = None                          # the hooks are no-ops, as in Bridge
+    torch.manual_seed(cfg.train.seed)
+    model = model_provider()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rerun = _rerun_machine(cfg)
+    start = _load_checkpoint(cfg, state, model, optimizer, rerun)
+    data = data_iterator_provider(start)
+
+    straggler = _straggler_manager(cfg, state)
+    train_step = _train_step
+    if straggler is not None:
+        train_step = straggler.wrap_train_step_function(_train_step)
+    signals = _signal_handler(cfg)
+    exit_code = 0
+    try:
+        while state.train_state.step < cfg.train.train_iters:
+            fault_tolerance.on_training_step_start(state)
+            loss = train_step(forward_step_func, data, ddp, optimizer, rerun)
+            state.train_state.step += 1
+            fault_tolerance.on_training_step_end(state)
+            if state.train_state.step % cfg.checkpoint.save_interval == 0:
+                _save_checkpoint(cfg, state, model, optimizer, rerun)
+            _check_stops(cfg, state, straggler, signals, rerun)
+            if dist.get_rank() == 0 and state.train_state.step % 10 == 0:
+                logger.info("iteration %d loss %.4f", state.train_state.step, loss)
+    except StopTraining as stop:
+        _save_checkpoint(cfg, state, model, optimizer, rerun)
+        logger.warning("stopping at iteration %d: %s (exit %d)", state.train_state.step, stop, stop.exit_code)
+        exit_code = stop.exit_code
+        fault_tolerance.abort(state)           # not a completed run: no finished flag
+    except BaseException:
+        fault_tolerance.abort(state)           # no collective: a peer may be stuck in one
+        raise
+    else:
+        fault_tolerance.shutdown(state)        # learns timeouts, writes the finished flag
+    finally:
+        if straggler is not None:
+            from nvrx_megatron.nvrx_straggler import safe_shutdown_nvrx_straggler_manager
+
+            safe_shutdown_nvrx_straggler_manager(straggler)
+        if signals is not None:
+            signals.release()
+    return exit_code
+
+
+def _train_step(forward_step_func, data, ddp, optimizer, rerun) -> float:
+    """One iteration; the rerun state machine may ask to run the forward/backward again."""
+    loss_value = float("nan")
+    while rerun is None or rerun.should_run_forward_backward(data):
+        optimizer.zero_grad(set_to_none=True)
+        output, loss_func = forward_step_func(data, ddp)
+        loss = loss_func(output)
+        if rerun is not None:
+            rerun.validate_result(result=loss.detach(), rejection_func=torch.isnan,
+                                  message="loss is NaN", tolerance=0.0, fatal=True)
+        loss.backward()
+        loss_value = float(loss.detach())
+        if rerun is None:
+            break
+    optimizer.step()
+    return loss_value
+
+
+def _check_stops(cfg, state, straggler, signals, rerun) -> None:
+    """Bridge's agreed stops, all on the clean path at the end of an iteration."""
+    if straggler is not None:
+        from nvrx_megatron.nvrx_straggler import check_nvrx_straggler_detection
+
+        if check_nvrx_straggler_detection(straggler):
+            raise StopTraining(19, "stragglers detected")
+    if signals is not None and any(signals.signals_received()):
+        raise StopTraining(18, "preemption signal received")
+    if rerun is not None and rerun.should_checkpoint_and_exit()[0]:
+        raise StopTraining(rerun.should_checkpoint_and_exit()[1], "rerun state machine verdict")
+
+
+# ---- the parts each config switches on -----------------------------------------------------
+
+def _straggler_manager(cfg: ConfigContainer, state: GlobalState):
+    if cfg.nvrx_straggler is None or not cfg.nvrx_straggler.enabled:
+        return None
+    from nvrx_megatron.nvrx_straggler import NVRxStragglerDetectionManager
+
+    state.nvrx_straggler_manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler)
+    state.nvrx_straggler_manager.initialize()
+    return state.nvrx_straggler_manager
+
+
+def _signal_handler(cfg: ConfigContainer):
+    if not cfg.train.exit_signal_handler:
+        return None
+    from nvrx_megatron.dist_signal_handler import DistributedSignalHandler
+
+    return DistributedSignalHandler().__enter__()
+
+
+def _rerun_machine(cfg: ConfigContainer):
+    if cfg.rerun_state_machine.rerun_mode == "disabled":
+        return None
+    from nvrx_megatron.rerun_state_machine import RerunStateMachine
+
+    return RerunStateMachine(cfg.rerun_state_machine)
+
+
+# ---- distributed and checkpoints ---------------------------------------------------------------
+
+def _init_distributed(store: Any) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend)
+
+
+def _checkpoint_path(directory: str) -> str:
+    return os.path.join(directory, "checkpoint.pt")
+
+
+def _load_checkpoint(cfg, state, model, optimizer, rerun) -> int:
+    directory = cfg.checkpoint.load or cfg.checkpoint.save
+    if not directory or not os.path.exists(_checkpoint_path(directory)):
+        return 0
+    saved = torch.load(_checkpoint_path(directory), map_location="cpu", weights_only=False)
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    if rerun is not None and saved.get("rerun_state_machine") is not None:
+        rerun.load_state_dict(saved["rerun_state_machine"])
+    state.train_state.step = saved["iteration"]
+    fault_tolerance.on_checkpoint_loaded(False, state)
+    return state.train_state.step
+
+
+def _save_checkpoint(cfg, state, model, optimizer, rerun) -> None:
+    if not cfg.checkpoint.save:
+        return
+    fault_tolerance.on_checkpointing_start(state)
+    snapshot = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "iteration": state.train_state.step,
+                "rerun_state_machine": rerun.state_dict(data_iterator=None) if rerun is not None else None}
+    if dist.get_rank() == 0:
+        atomic_write_with(_checkpoint_path(cfg.checkpoint.save), lambda f: torch.save(snapshot, f))
+    dist.barrier()
+    fault_tolerance.on_checkpointing_end(False, state)
+
+
+if __name__ == "__main__":
+    sys.exit("run examples/megatron_style/pretrain_gpt.py")
