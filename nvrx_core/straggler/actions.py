@@ -19,7 +19,7 @@ class ReportActions:
         logger: logging.Logger,
         events: EventLog,
         checkpoint_hook: Optional[Callable[[Report], None]],
-        exit_fn: Callable[[int], Any],
+        exit_fn: Optional[Callable[[int], Any]],
     ):
         self._logger = logger
         self._events = events
@@ -66,8 +66,17 @@ class ReportActions:
 
     def stop(self, report: Report, before_exit: Callable[[], None]) -> None:
         """Checkpoint, then exit with STRAGGLER_STOP. If the hook raises, its error
-        propagates: the process must not claim a saved checkpoint it does not have."""
+        propagates: the process must not claim a saved checkpoint it does not have.
+        Without an exit_fn the training loop stops on report.stop; nothing is undone here,
+        as the loop may still time its checkpoint."""
         code = int(ExitCode.STRAGGLER_STOP)
+        if self._exit is None:
+            self._logger.error(
+                "straggler stop: rank(s) %s flagged and stop_if_detected is on; the training loop checkpoints "
+                "and stops", list(report.flagged_ranks))
+            if self._checkpoint_hook is not None:
+                self._checkpoint_hook(report)
+            return
         self._logger.error(
             "straggler stop: rank(s) %s flagged and stop_if_detected is on; checkpointing, then exiting with %d",
             list(report.flagged_ranks),

@@ -56,6 +56,9 @@ class Detector:
     checkpoint_hook: called with the report on every rank before a straggler stop.
     clock / timer: report schedule clock and section timer (injectable for tests).
     exit_fn: how a straggler stop ends the process (default sys.exit, i.e. SystemExit).
+        None: the detector decides the stop (report.stop, the same on every rank) and the
+        training loop acts on it, as in loops that checkpoint and exit themselves
+        (Megatron-Bridge's); no checkpoint_hook is needed then.
     cuda_event_factory: makes timing events when CUDA timing is on (default torch.cuda.Event).
     """
 
@@ -68,7 +71,7 @@ class Detector:
         checkpoint_hook: Optional[Callable[[Report], None]] = None,
         clock: Callable[[], float] = time.monotonic,
         timer: Callable[[], float] = time.perf_counter,
-        exit_fn: Callable[[int], Any] = sys.exit,
+        exit_fn: Optional[Callable[[int], Any]] = sys.exit,
         cuda_event_factory: Optional[Callable[[], Any]] = None,
     ):
         self._base = config if config is not None else StragglerConfig()
@@ -92,7 +95,7 @@ class Detector:
         self._step_index = 0
         self._report_index = 0
         self._bound_sections, self._bound = -1, 0
-        if self._base.stop_if_detected and checkpoint_hook is None:
+        if self._base.stop_if_detected and checkpoint_hook is None and exit_fn is not None:
             logger.warning(
                 "straggler stop_if_detected is on without a checkpoint_hook: a stop loses the progress "
                 "made since the last checkpoint"
