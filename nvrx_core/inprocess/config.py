@@ -19,8 +19,11 @@ GRANULARITIES = ("rank", "node")
 YAML_SECTION = "inprocess"
 DURATION_FIELDS = (
     "soft_timeout", "hard_timeout", "heartbeat_interval", "heartbeat_timeout", "barrier_timeout",
-    "completion_timeout", "monitor_interval", "termination_grace",
+    "completion_timeout", "monitor_interval", "termination_grace", "monitor_process_interval",
+    "progress_watchdog_interval", "last_call_wait",
 )
+OPTIONAL_DURATIONS = ("monitor_process_interval", "progress_watchdog_interval")
+ZERO_ALLOWED = ("termination_grace", "last_call_wait")
 
 
 @dataclasses.dataclass
@@ -63,17 +66,29 @@ class InProcessConfig:
     """Hard timeout: sent first, so faulthandler prints every thread's stack (None: no dump)."""
     enabled: bool = True
     """False: the function is called once, without any restart machinery."""
+    monitor_process_interval: Optional[float] = None
+    """Period of the hard-timeout monitor process: how late past hard_timeout a kill may come,
+    and how soon the death of its rank is declared. None: min(monitor_interval, 0.5)."""
+    progress_watchdog_interval: Optional[float] = None
+    """How often the main thread's progress is sampled (and sent to the monitor process); the
+    soft timeout may see a busy rank up to this much idle. None: min(monitor_interval, 0.5)."""
+    last_call_wait: float = 0.0
+    """After a fault, the restart plan is made no earlier than this many seconds after this rank
+    left the iteration, so terminations that follow the fault closely (a node's other ranks
+    dying with it) are handled by the same restart, not by one restart each. 0: at once."""
 
     def __post_init__(self):
         for name in DURATION_FIELDS:
             value = getattr(self, name)
+            if value is None and name in OPTIONAL_DURATIONS:
+                continue
             if isinstance(value, datetime.timedelta):
                 value = value.total_seconds()
                 setattr(self, name, value)
             check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value,
                   "must be a number of seconds (or a datetime.timedelta)")
-            check(value >= 0 if name == "termination_grace" else value > 0, name, value,
-                  ">= 0" if name == "termination_grace" else "must be > 0")
+            check(value >= 0 if name in ZERO_ALLOWED else value > 0, name, value,
+                  ">= 0" if name in ZERO_ALLOWED else "must be > 0")
         check(self.soft_timeout < self.hard_timeout < self.barrier_timeout, "soft_timeout/hard_timeout/barrier_timeout",
               (self.soft_timeout, self.hard_timeout, self.barrier_timeout), "need soft_timeout < hard_timeout < barrier_timeout")
         check(self.heartbeat_interval < self.heartbeat_timeout, "heartbeat_interval", self.heartbeat_interval,
@@ -84,6 +99,15 @@ class InProcessConfig:
               f"must be < soft_timeout ({self.soft_timeout})")
         check(self.monitor_interval < self.heartbeat_timeout, "monitor_interval", self.monitor_interval,
               f"must be < heartbeat_timeout ({self.heartbeat_timeout})")
+        # A sampling period as long as the soft timeout would make a busy rank look idle for it.
+        for name in OPTIONAL_DURATIONS:
+            value = getattr(self, name)
+            check(value is None or value < self.soft_timeout, name, value, f"must be < soft_timeout ({self.soft_timeout})")
+        check(self.monitor_process_interval is None or self.monitor_process_interval < self.heartbeat_timeout,
+              "monitor_process_interval", self.monitor_process_interval,
+              f"must be < heartbeat_timeout ({self.heartbeat_timeout})")
+        check(self.last_call_wait < self.barrier_timeout, "last_call_wait", self.last_call_wait,
+              f"must be < barrier_timeout ({self.barrier_timeout})")
         for name in ("max_iterations", "active_world_size"):
             value = getattr(self, name)
             check(value is None or _is_int(value) and value >= 1, name, value, "must be None or an integer >= 1")
@@ -130,6 +154,16 @@ class InProcessConfig:
         only skips one monitor tick.
         """
         return min(5.0, max(0.5, self.soft_timeout / 4))
+
+    @property
+    def monitor_process_period(self) -> float:
+        """The monitor process's period in effect (monitor_process_interval or its default)."""
+        return self.monitor_process_interval or min(self.monitor_interval, 0.5)
+
+    @property
+    def progress_period(self) -> float:
+        """The progress sampling period in effect (progress_watchdog_interval or its default)."""
+        return self.progress_watchdog_interval or min(self.monitor_interval, 0.5)
 
     def signal_number(self, name: str) -> Optional[int]:
         value = getattr(self, name)

@@ -12,7 +12,8 @@ them directly, and each runs in O(world size) (16k ranks take milliseconds).
 """
 
 import dataclasses
-from typing import Callable, FrozenSet, Iterable, List, Optional, Sequence, Tuple
+import socket
+from typing import Callable, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 Policy = Callable[["Assignment"], "Assignment"]
 
@@ -186,6 +187,22 @@ class DivisibleBy:
     def __call__(self, assignment: Assignment) -> Assignment:
         size = assignment.world_size
         return _deactivate_above(assignment, size - size % self.divisor)
+
+
+def node_of(env: Mapping[str, str], rank: int) -> str:
+    """The node a rank belongs to, for granularity "node" (same answer on every rank of a node).
+
+    GROUP_RANK (torchrun / ft_launcher's node rank) when set; else the block of
+    LOCAL_WORLD_SIZE consecutive ranks this rank falls in (launchers number a node's ranks
+    consecutively; a node's rank count is LOCAL_WORLD_SIZE, not its GPU count, so CPU jobs
+    and jobs using some of a node's GPUs are grouped right); else the host name.
+    """
+    if env.get("GROUP_RANK"):
+        return env["GROUP_RANK"]
+    local_world = env.get("LOCAL_WORLD_SIZE", "")
+    if local_world.isdigit() and int(local_world) > 0:
+        return f"ranks-{rank // int(local_world) * int(local_world)}+{local_world}"
+    return socket.gethostname()
 
 
 def default_policy(granularity: str) -> Policy:

@@ -46,12 +46,12 @@ class Watchdogs:
         self.store.connect_now()
 
     def start(self, interrupter: MainThreadInterrupter, abort: AbortProcessGroups, events: ev.EventLog) -> MonitorThread:
-        interval = min(self.config.monitor_interval, 0.5)
-        self.process = self._start_monitor_process(interval)
+        self.process = self._start_monitor_process(self.config.monitor_process_period)
         self.monitor = MonitorThread(Coordinator(self.store, self.prefix, self.rank), self.config, interrupter,
                                      self.progress, abort, events)
         monitor = self.monitor
-        self.reporter = ProgressReporter(self.progress, self.process, lambda: monitor.in_function, interval,
+        self.reporter = ProgressReporter(self.progress, self.process, lambda: monitor.in_function,
+                                         self.config.progress_period,
                                          machinery_allowance=self.config.barrier_timeout)
         self.monitor.start()
         self.reporter.start()

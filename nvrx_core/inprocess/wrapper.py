@@ -19,7 +19,6 @@ import gc
 import inspect
 import logging
 import os
-import socket
 import time
 import typing
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -35,7 +34,7 @@ from nvrx_core.inprocess.errors import (InProcessGaveUp, RankExcluded, RestartRe
 from nvrx_core.inprocess.health_gate import HealthGate
 from nvrx_core.inprocess.interruption import MainThreadInterrupter
 from nvrx_core.inprocess.planning import ACTIVE, OUT, Plan, first_plan, next_plan
-from nvrx_core.inprocess.rank_assignment import Policy, default_policy
+from nvrx_core.inprocess.rank_assignment import Policy, default_policy, node_of
 from nvrx_core.inprocess.records import (ABORTED, COMPLETED, EXCLUDED, GAVE_UP, INTERRUPTED, REASSIGNED, RESTARTED,
                                          Cause)
 from nvrx_core.inprocess.state import RestartState
@@ -104,7 +103,7 @@ class _Call:
         env = os.environ
         self.rank, self.world_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        self.node = env.get("GROUP_RANK") or socket.gethostname()
+        self.node = node_of(env, self.rank)
         self.events = ev.EventLog.from_env(source="inprocess")
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}
         self.completed = False
@@ -292,7 +291,7 @@ class _Call:
             return cause or Cause.PEER_INTERRUPTED, None
 
     def _restart(self, plan: Plan, cause: Optional[Cause], error: Optional[BaseException]) -> Plan:
-        k = plan.iteration
+        k, left_at = plan.iteration, time.monotonic()
         cause, detail = self._classify(plan, cause, error)
         self.events.emit(INTERRUPTED, iteration=k, cause=cause.value, detail=detail, by="main")
         self.monitor.end_iteration()
@@ -311,6 +310,7 @@ class _Call:
         _, marks = self.coord.wait_for_members(
             k, plan.members(), plan.marked, self.config.barrier_timeout, self.config.heartbeat_timeout,
             self.config.heartbeat_interval, on_lost=lambda r: self._declare_lost(k, r))
+        marks = self._last_call(left_at, marks)
         winning = self.coord.propose_plan(k, self._proposal(plan, marks))
         new_plan = Plan.from_json(winning, self.nodes)
         self.abort.release()
@@ -318,6 +318,18 @@ class _Call:
                          world_size=new_plan.assignment.world_size, out=sorted(new_plan.causes),
                          reserves=len(new_plan.assignment.reserves()))
         return new_plan
+
+    def _last_call(self, left_at: float, marks: Dict[int, str]) -> Dict[int, str]:
+        """Wait out last_call_wait (counted from leaving the iteration), then re-read terminations.
+
+        A rank dying just after the fault (its node going down with it) is then left out of
+        this plan rather than ending the next iteration at once.
+        """
+        remaining = self.config.last_call_wait - (time.monotonic() - left_at)
+        if remaining <= 0:
+            return marks
+        time.sleep(remaining)
+        return self.coord.terminated()
 
     def _proposal(self, plan: Plan, marks: Dict[int, str]) -> str:
         records = self.coord.records(plan.iteration)
