@@ -35,6 +35,7 @@ OWNER = "preemption"
 WORKER_OWNER = "preemption (DataLoader worker policy)"
 WORKER_POLICIES = ("ignore", "default", "inherit")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+_FLAG_BYTES = len(b"false")  # the longest JSON a signaled_ranks() flag takes
 
 
 @dataclasses.dataclass
@@ -180,11 +181,25 @@ class DistributedSignalHandler:
             return True
         (agreed,) = Collectives(self._group).all_reduce_max([int(self.signaled)])
         if agreed:
-            self._agreed = True
-            names = [signal.Signals(n).name for n in self.received]
-            self._events.emit(PREEMPTION_AGREED, step=step, signals_here=names)
-            logger.warning("preemption agreed at step %s (signals on this rank: %s)", step, names)
+            self._agree(step)
         return bool(agreed)
+
+    def signaled_ranks(self, step: Optional[int] = None) -> List[bool]:
+        """Collective: whether each rank of the group received a signal, in group rank order.
+
+        For loops that want to know who was signaled (Megatron's signals_received()); any
+        True is an agreement too, so should_stop() answers True from then on. One all_gather
+        of a few bytes per rank, on the group's device (CPU for gloo)."""
+        flags = [bool(f) for f in Collectives(self._group).all_gather_json(self.signaled, _FLAG_BYTES)]
+        if any(flags) and not self._agreed:
+            self._agree(step)
+        return flags
+
+    def _agree(self, step: Optional[int]) -> None:
+        self._agreed = True
+        names = [signal.Signals(n).name for n in self.received]
+        self._events.emit(PREEMPTION_AGREED, step=step, signals_here=names)
+        logger.warning("preemption agreed at step %s (signals on this rank: %s)", step, names)
 
     @property
     def worker_init_fn(self) -> WorkerSignalPolicy:
