@@ -19,7 +19,8 @@ from nvrx_core.inprocess.wrapper import _Call
 
 def test_unset_periods_keep_the_core_defaults():
     config = InProcessConfig(monitor_interval=0.2)
-    assert (config.monitor_process_interval, config.progress_watchdog_interval, config.last_call_wait) == (None, None, 0)
+    unset = (config.monitor_process_interval, config.progress_watchdog_interval, config.last_call_wait)
+    assert unset == (None, None, 0)
     assert config.monitor_process_period == config.progress_period == 0.2
     assert InProcessConfig().monitor_process_period == 0.5  # min(monitor_interval=1, 0.5), as before
 

@@ -102,7 +102,8 @@ class InProcessConfig:
         # A sampling period as long as the soft timeout would make a busy rank look idle for it.
         for name in OPTIONAL_DURATIONS:
             value = getattr(self, name)
-            check(value is None or value < self.soft_timeout, name, value, f"must be < soft_timeout ({self.soft_timeout})")
+            check(value is None or value < self.soft_timeout, name, value,
+                  f"must be < soft_timeout ({self.soft_timeout})")
         check(self.monitor_process_interval is None or self.monitor_process_interval < self.heartbeat_timeout,
               "monitor_process_interval", self.monitor_process_interval,
               f"must be < heartbeat_timeout ({self.heartbeat_timeout})")
