@@ -3,13 +3,15 @@
 See docs/rerun.md. The public surface (names follow Megatron-LM's rerun_state_machine):
 RerunStateMachine, RerunConfig (alias RerunStateMachineConfig), RerunMode,
 RerunDiagnostic, RerunDataIterator, RerunState/RerunEvent (the transition table), the
-adapters, and the rejected-results log readers.
+adapters, the rejected-results log readers and LargeValueTracker (Megatron's
+is_unexpectedly_large rule).
 """
 
 from nvrx_core.rerun.adapters import CallbackStateAdapter, DeviceIdentity, RngStateAdapter, local_device_identity
 from nvrx_core.rerun.config import RerunConfig, RerunDiagnostic, RerunMode, RerunStateMachineConfig
 from nvrx_core.rerun.data import RerunDataIterator
 from nvrx_core.rerun.injection import RerunErrorInjector
+from nvrx_core.rerun.large_values import LargeValueTracker
 from nvrx_core.rerun.checks import reject_non_finite
 from nvrx_core.rerun.machine import RerunStateMachine, RerunValidationError
 from nvrx_core.rerun.persist import RerunStateError
@@ -21,7 +23,7 @@ from nvrx_core.rerun.states import (
 from nvrx_core.rerun.stats import relative_difference
 
 __all__ = [
-    "CallbackStateAdapter", "DeviceIdentity", "InvalidTransition", "RejectedResult", "RerunConfig",
+    "CallbackStateAdapter", "DeviceIdentity", "InvalidTransition", "LargeValueTracker", "RejectedResult", "RerunConfig",
     "RerunDataIterator", "RerunDiagnostic", "RerunErrorInjector", "RerunEvent", "RerunMode", "RerunState",
     "RerunStateError", "RerunStateMachine", "RerunStateMachineConfig", "RerunValidationError",
     "RngStateAdapter", "SpikyLossDetector", "TRANSITIONS", "format_transition_table", "iterations_to_skip",

@@ -30,3 +30,21 @@ def reject_non_finite(result: Any, tensor_ops_on_cpu: bool = False) -> Any:
 def host_value(value: Any) -> float:
     """A scalar as a Python float (.item() reads a tensor without the requires_grad warning)."""
     return value.item() if isinstance(value, torch.Tensor) else float(value)
+
+
+def check_validation_arguments(rejection_func: Any, message: Any, comparison_func: Any, tolerance: Any,
+                               fatal: Any) -> None:
+    """validate_result's arguments, checked at the call: a wrong one would otherwise surface
+    only on the rare rerun path (a string tolerance compared after a NaN), far from its cause."""
+    if not callable(rejection_func):
+        raise TypeError(f"rejection_func: expected a callable returning True for a bad result, "
+                        f"got {type(rejection_func).__name__}")
+    if not isinstance(message, str):
+        raise TypeError(f"message: expected a string naming the check, got {type(message).__name__}")
+    if comparison_func is not None and not callable(comparison_func):
+        raise TypeError(f"comparison_func: expected a callable or None, got {type(comparison_func).__name__}")
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance >= 0:
+        raise ValueError(f"tolerance={tolerance!r}: must be a number >= 0 (the largest difference that "
+                         "still counts as the same result)")
+    if not isinstance(fatal, bool):
+        raise TypeError(f"fatal={fatal!r}: must be True or False")

@@ -35,7 +35,7 @@ from nvrx_core.events import EventLog
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import report
 from nvrx_core.rerun.adapters import DeviceIdentity, RngStateAdapter, StateAdapter, local_device_identity
-from nvrx_core.rerun.checks import reject_non_finite
+from nvrx_core.rerun.checks import check_validation_arguments, reject_non_finite
 from nvrx_core.rerun.collective import CollectiveVote
 from nvrx_core.rerun.config import RerunConfig, RerunMode
 from nvrx_core.rerun.data import RerunDataIterator, as_rerun_iterators
@@ -67,6 +67,7 @@ class RerunStateMachine:
         device: Optional[torch.device] = None,
         device_identity: Optional[DeviceIdentity] = None,
         state_adapters: Optional[Sequence[StateAdapter]] = None,
+        extra_state_adapters: Sequence[StateAdapter] = (),
         events: Optional[EventLog] = None,
         injector: Optional[RerunErrorInjector] = None,
         clock: Callable[[], float] = time.time,
@@ -75,6 +76,8 @@ class RerunStateMachine:
         """`device`: where the step computes (default: the process group's device, CPU for gloo).
         `device_identity`: overrides the detected one (a test simulating "another GPU").
         `state_adapters`: what a rerun restores (default: every RNG); add CallbackStateAdapters for more.
+        `extra_state_adapters`: restored after those (e.g. Megatron's state_save_func / state_restore_func
+        pair), keeping the default RNG adapter, whose device is known only once the group exists.
         `tensor_ops_on_cpu`: check CPU tensors the way accelerator tensors are checked (see checks.py).
         """
         self.config = config
@@ -87,6 +90,7 @@ class RerunStateMachine:
         self._vote = CollectiveVote(process_group, device)
         self._identity = device_identity
         self._state_adapters = list(state_adapters) if state_adapters is not None else None
+        self._extra_adapters = list(extra_state_adapters)
         self._events = events if events is not None else EventLog.from_env("rerun")
         self._reporter = report.RejectionReporter(
             report.RejectedResultsLog(config.result_rejected_tracker_filename), self._events, clock
@@ -132,6 +136,7 @@ class RerunStateMachine:
         rather than go on with a result that reproduced elsewhere or a transient error.
         Keep `result` unmodified until the step ends: the machine holds a reference.
         """
+        check_validation_arguments(rejection_func, message, comparison_func, tolerance, fatal)
         if self.mode is RerunMode.DISABLED:
             if bool(as_flag(rejection_func(result))):
                 self._reject_while_disabled(result, message, fatal)
@@ -332,7 +337,7 @@ class RerunStateMachine:
         """Resolved at first use: the default RNG adapter needs the device, known once the group exists."""
         if self._state_adapters is None:
             self._state_adapters = [RngStateAdapter(self._vote.device)]
-        return self._state_adapters
+        return self._state_adapters + self._extra_adapters
 
     @property
     def diagnoses(self) -> List[report.RejectedResult]:
