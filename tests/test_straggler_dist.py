@@ -142,13 +142,18 @@ BASE_CONFIG = dict(
 
 @pytest.mark.timeout(150)
 def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
-    """Rank 2's forward becomes 1.3x and rank 3's 2x slower after report 3 of 7."""
+    """Rank 2's forward becomes 1.5x and rank 3's 2.5x slower after report 3 of 7.
+
+    Sections are sleeps: on a node loaded as CI's (two pytest workers, two busy loops, four
+    ranks on two cores) a rank's wake-ups can lag for a whole report (a 1.3x rank has read
+    1.58x), so the slowdowns sit well clear of the 0.8 threshold and of each other, and the
+    scores are checked to +-0.15 of 1/k and in order."""
     inject_after = 3
     params = dict(
         config=dict(BASE_CONFIG, gather_on_rank0=True),
         fwd_s=0.010,
         bwd_s=0.005,
-        slow={2: 1.3, 3: 2.0},
+        slow={2: 1.5, 3: 2.5},
         inject_after=inject_after,
         reports=7,
         max_steps=3000,
@@ -167,12 +172,14 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
             assert first - inject_after <= 2, f"rank {rank} {kind} flagged only at report {first}"
     flagged = {s[0] for r in reports for s in r["stragglers"]}
     assert flagged == {2, 3}, reports
-    # Scores ~ 1/k: 1/1.3 = 0.77 and 1/2 = 0.5 (sleep overshoot pulls them slightly up).
+    # Scores ~ 1/k: 1/1.5 = 0.67 and 1/2.5 = 0.4 (sleep overshoot pulls them slightly up).
     for rep in reports[inject_after + 1 :]:
         for kind in ("relative", "individual"):
-            assert rep[kind]["fwd"]["3"] == pytest.approx(0.5, abs=0.08), (kind, rep)
-            assert rep[kind]["fwd"]["2"] == pytest.approx(1 / 1.3, abs=0.08), (kind, rep)
-            assert rep[kind]["fwd"]["0"] > 0.85 and rep[kind]["fwd"]["1"] > 0.85, (kind, rep)
+            fwd = rep[kind]["fwd"]
+            assert fwd["3"] == pytest.approx(1 / 2.5, abs=0.15), (kind, rep)
+            assert fwd["2"] == pytest.approx(1 / 1.5, abs=0.15), (kind, rep)
+            assert fwd["3"] < fwd["2"] < min(fwd["0"], fwd["1"]), (kind, rep)
+            assert fwd["0"] > 0.8 and fwd["1"] > 0.8, (kind, rep)
     # Everyone waits for rank 3 in the (wrapped) all_reduce; it waits least.
     assert all(r["wrapped"] and r["restored"] for r in results)
     last = reports[-1]
