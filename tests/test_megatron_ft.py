@@ -144,13 +144,11 @@ def test_a_simulated_fault_fires_on_cpu_without_torch_distributed(tmp_path):
             "cfg = FaultToleranceConfig(simulate_fault=True, simulated_fault_type='rank_killed', "
             "simulated_fault_rank=1, simulated_fault_base_delay=0)\n"
             "injector = ft.maybe_setup_simulated_fault(cfg)\n"
-            "print('armed' if injector.armed else 'spared', flush=True)\n"
             "time.sleep(30)\n")
     env = dict(os.environ, RANK="1", WORLD_SIZE="2")
     env.pop("NVRX_EVENTS_FILE", None)
     killed = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert killed.returncode == -9, killed.stderr[-2000:]              # SIGKILLed itself
-    assert "armed" in killed.stdout
     assert ft.maybe_setup_simulated_fault(FaultToleranceConfig()) is None
     spared = ft.FaultInjector(FaultToleranceConfig(simulate_fault=True, simulated_fault_rank=1)
                               .to_simulated_fault(), rank=0, world_size=2)
