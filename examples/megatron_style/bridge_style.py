@@ -76,9 +76,10 @@ class GlobalState:
 class StopTraining(Exception):
     """A clean, agreed stop (straggler, preemption signal, rerun verdict) with its exit code."""
 
-    def __init__(self, exit_code: int, why: str):
+    def __init__(self, exit_code: int, why: str, checkpoint: bool = True):
         super().__init__(why)
         self.exit_code = exit_code
+        self.checkpoint = checkpoint
 
 
 def pretrain(cfg: ConfigContainer, forward_step_func: Callable, model_provider: Callable[[], torch.nn.Module],
@@ -111,6 +112,10 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
     rerun = _rerun_machine(cfg)
     start = _load_checkpoint(cfg, state, model, optimizer, rerun)
     data = data_iterator_provider(start)
+    if rerun is not None:                      # a rerun replays the step's microbatches
+        from nvrx_megatron.rerun_state_machine import RerunDataIterator
+
+        data = RerunDataIterator(data)
 
     straggler = _straggler_manager(cfg, state)
     train_step = _train_step
@@ -130,7 +135,8 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
             if dist.get_rank() == 0 and state.train_state.step % 10 == 0:
                 logger.info("iteration %d loss %.4f", state.train_state.step, loss)
     except StopTraining as stop:
-        _save_checkpoint(cfg, state, model, optimizer, rerun)
+        if stop.checkpoint:
+            _save_checkpoint(cfg, state, model, optimizer, rerun)
         logger.warning("stopping at iteration %d: %s (exit %d)", state.train_state.step, stop, stop.exit_code)
         exit_code = stop.exit_code
         fault_tolerance.abort(state)           # not a completed run: no finished flag
@@ -163,6 +169,10 @@ def _train_step(forward_step_func, data, ddp, optimizer, rerun) -> float:
         loss_value = float(loss.detach())
         if rerun is None:
             break
+    if rerun is not None:                      # Megatron asks after the loop, before the optimizer step
+        should_checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
+        if should_exit:
+            raise StopTraining(exit_code, "rerun state machine verdict", checkpoint=should_checkpoint)
     optimizer.step()
     return loss_value
 
@@ -176,8 +186,7 @@ def _check_stops(cfg, state, straggler, signals, rerun) -> None:
             raise StopTraining(19, "stragglers detected")
     if signals is not None and any(signals.signals_received()):
         raise StopTraining(18, "preemption signal received")
-    if rerun is not None and rerun.should_checkpoint_and_exit()[0]:
-        raise StopTraining(rerun.should_checkpoint_and_exit()[1], "rerun state machine verdict")
+
 
 
 # ---- the parts each config switches on -----------------------------------------------------
