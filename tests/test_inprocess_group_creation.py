@@ -110,6 +110,9 @@ def test_a_rank_stuck_in_gloo_group_creation_restarts_instead_of_being_killed(tm
     for rank in range(WORLD):
         assert run.result(rank)["iterations"] == [[0, rank, WORLD], [1, rank, WORLD]], run.explain()
     failed = [e["rank"] for e in run.kinds("inprocess_interrupted") if e["cause"] == "exception"]
-    assert failed and set(failed) <= set(PAIR), run.explain()
-    stuck = PAIR[1] if failed[0] == PAIR[0] else PAIR[0]
+    # the pair's connecting side raised, as injected; on a loaded node another rank may also
+    # fail its own connect to that rank while it goes (a clean restart too)
+    injected = [rank for rank in failed if rank in PAIR]
+    assert injected, run.explain()
+    stuck = PAIR[1] if injected[0] == PAIR[0] else PAIR[0]
     assert "stuck creating a process group" in run.log(stuck), run.explain()
