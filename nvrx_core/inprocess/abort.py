@@ -38,6 +38,7 @@ thread that drops them: torch releases the GIL while destroying a process group,
 destructor that waits for a stuck worker only holds up that thread, never training.
 """
 
+import atexit
 import gc
 import logging
 import os
@@ -241,4 +242,24 @@ class AbortProcessGroups:
             held, self._held = self._held, {}
         gc.collect()  # DDP objects of a failed iteration are often in reference cycles
         if held:
-            threading.Thread(target=held.clear, name="nvrx-inprocess-pg-reaper", daemon=True).start()
+            reaper = threading.Thread(target=held.clear, name="nvrx-inprocess-pg-reaper", daemon=True)
+            reaper.start()
+            _join_before_exit(reaper)
+
+
+REAPER_EXIT_WAIT_S = 30.0
+"""How long a finishing interpreter waits for a reaper still destroying aborted groups."""
+
+
+def _join_before_exit(reaper: threading.Thread) -> None:
+    """An aborted group's gloo workers must be gone before the interpreter finalizes: a worker
+    still running then needs the GIL to free a tensor of the failed collective, and its
+    thread's exit through a noexcept destructor ends the process with std::terminate (exit
+    -6 after a job that recovered in-process and finished). So the interpreter's exit waits
+    for the reaper, bounded: a worker stuck in a receive until the group's timeout is not
+    waited for. threading's exit hooks run before the interpreter tears anything down."""
+    register = getattr(threading, "_register_atexit", atexit.register)
+    try:
+        register(reaper.join, REAPER_EXIT_WAIT_S)
+    except RuntimeError:  # the interpreter is already exiting: nothing can be registered
+        pass
