@@ -208,11 +208,10 @@ class NVRxStragglerDetectionConfig:
 class InProcessRestartConfig:
     """In-process restart: after a fault, re-run the training function in the same processes.
 
-    Converts to nvrx_core.inprocess.InProcessConfig. Three fields have no core knob and are
-    only checked: monitor_process_interval (the core's monitor process polls every
-    min(monitor_thread_interval, 0.5) s), progress_watchdog_interval (progress reaches the
-    monitor through a pipe at each poll) and last_call_wait (the core collects concurrent
-    faults at its restart barrier).
+    Converts to nvrx_core.inprocess.InProcessConfig, every field included (the core took
+    monitor_process_interval, progress_watchdog_interval and last_call_wait under the same
+    names), so a rule linking fields (an interval below soft_timeout) fails here, where the
+    config is built.
     """
 
     enabled: bool = False
@@ -298,6 +297,9 @@ class InProcessRestartConfig:
                 "granularity": self.granularity, "active_world_size": self.active_world_size,
                 "empty_cuda_cache": self.empty_cuda_cache, "max_rank_faults": self.max_rank_faults,
                 "monitor_log_dir": None if logdir is None else os.path.abspath(logdir),
+                "monitor_process_interval": self.monitor_process_interval,
+                "progress_watchdog_interval": self.progress_watchdog_interval,
+                "last_call_wait": self.last_call_wait,
             }
             return build(InProcessConfig, values, overrides, source="overrides")
 
