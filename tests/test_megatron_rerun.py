@@ -12,12 +12,12 @@ import functools
 import io
 import json
 import math
-import multiprocessing
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from spawned_ranks import run_spawned_ranks
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import EventLog
@@ -222,20 +222,7 @@ def _rank_main(rank, world, port, out_dir):
 
 def test_a_nan_on_one_rank_makes_every_rank_rerun_and_go_on(tmp_path):
     world = 2
-    ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0] * world
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_spawned_ranks(_rank_main, world, str(tmp_path))
     for r in range(world):
         steps = json.load(open(tmp_path / f"rank{r}.json"))["steps"]
         assert steps == [[1, [False, False, 0]], [2, [False, False, 0]], [1, [False, False, 0]]]

@@ -6,7 +6,6 @@ owner, bad `sig`. Spawned gloo ranks: a signal on one rank is seen by every rank
 
 import datetime
 import json
-import multiprocessing
 import os
 import signal
 import socket
@@ -14,6 +13,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from spawned_ranks import run_spawned_ranks
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.signals import SignalClaimError, SignalRegistry
@@ -129,20 +129,7 @@ def _rank_main(rank, world, port, out_dir):
 
 def test_a_signal_on_one_rank_is_seen_by_every_rank(tmp_path):
     world = 3
-    ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0] * world
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_spawned_ranks(_rank_main, world, str(tmp_path))
     expected = [r == SIGNALED_RANK for r in range(world)]
     for r in range(world):
         result = json.load(open(tmp_path / f"rank{r}.json"))

@@ -9,12 +9,12 @@ the same step.
 import datetime
 import json
 import logging
-import multiprocessing
 import os
 import time
 
 import pytest
 import torch.distributed as dist
+from spawned_ranks import run_spawned_ranks
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
@@ -210,20 +210,7 @@ def _rank_main(rank, world, port, out_dir):
 
 def test_slow_rank_flagged_and_every_rank_stops_at_the_same_step(tmp_path):
     world = 3
-    ctx = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0] * world
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_spawned_ranks(_rank_main, world, str(tmp_path))
 
     results = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
     stops = {r["stopped_at"] for r in results}

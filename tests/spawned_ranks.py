@@ -1,0 +1,26 @@
+"""Ranks as spawned processes around a TCPStore hosted by the test: each runs
+`target(rank, world, store_port, out_dir)`; every one must exit 0 in time, none outlives the test."""
+
+import multiprocessing
+import time
+
+import torch.distributed as dist
+
+
+def run_spawned_ranks(target, world: int, out_dir: str, timeout: float = 120.0) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=target, args=(r, world, store.port, out_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+        assert not [p for p in procs if p.is_alive()], f"ranks still running after {timeout} s"
+        assert [p.exitcode for p in procs] == [0] * world
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
