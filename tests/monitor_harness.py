@@ -47,17 +47,22 @@ class MonitorThread:
                                    EventLog(self.events_file, source="monitor"), **monitor_kwargs)
         self._stop = False
         self._paused = False
+        self.error = None  # what ended the serving thread early, raised again by close()
         self._polling = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
-        while not self._stop:
-            with self._polling:
-                if not self._paused:
-                    self.monitor.poll(0.02)
-            if self._paused:
-                threading.Event().wait(0.01)
+        try:
+            while not self._stop:
+                with self._polling:
+                    if not self._paused:
+                        self.monitor.poll(0.02)
+                if self._paused:
+                    threading.Event().wait(0.01)
+        except BaseException as e:  # a monitor that died must fail the test, not fall silent
+            self.error = e
+            raise
 
     def pause(self):
         """Stop serving (like a SIGSTOPped monitor), once the current poll is over."""
@@ -83,6 +88,8 @@ class MonitorThread:
         self._stop = True
         self.thread.join(10)
         self.monitor.close()
+        if self.error is not None:
+            raise AssertionError("the monitor's serving thread died") from self.error
 
 
 class Rank:

@@ -25,8 +25,24 @@ pytestmark = pytest.mark.timeout(120)
 def cleanup():
     things = []
     yield things.append
+    errors = []
     for thing in reversed(things):
-        thing.kill() if isinstance(thing, Rank) else thing.close()
+        try:
+            thing.kill() if isinstance(thing, Rank) else thing.close()
+        except Exception as e:  # close the rest first
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of `pid` stopped: SIGSTOP acts on each thread when it next runs, not at kill()."""
+    task_dir = f"/proc/{pid}/task"
+    states = []
+    for tid in os.listdir(task_dir):
+        with open(f"{task_dir}/{tid}/stat") as f:
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+    return all(state == "T" for state in states)
 
 
 def hung_rank_config(**overrides):
@@ -82,13 +98,20 @@ def test_a_restarted_monitor_kills_an_adopted_rank_that_never_re_registers(tmp_p
     stopped.do("hb")
     live.do("hb")
     os.kill(stopped.pid, signal.SIGSTOP)  # frozen: its client cannot reconnect by itself
+    wait_for(lambda: _stopped(stopped.pid), what="the SIGSTOPped rank's threads all stopped")
     first.close()
     unenforced = FTConfig(rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None)  # grace: the floor
     second = MonitorThread(tmp_path, listener=first.listener, config=unenforced,
                            adopt={0: ProcessHandle.open(stopped.pid), 1: ProcessHandle.open(live.pid)},
                            reregister_floor=5.0)
     cleanup(second)
-    assert stopped.proc.wait(timeout=60) == -signal.SIGKILL
+    try:
+        assert stopped.proc.wait(timeout=60) == -signal.SIGKILL
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"the adopted rank lives on: stopped={_stopped(stopped.pid)}, monitor thread alive="
+            f"{second.thread.is_alive()} error={second.error!r}, adopted={list(second.monitor._adopted)}, "
+            f"connected={second.watch(stopped.pid)}, signals={second.attempts}, events={second.events('fault_detected')}")
     [detected] = second.events("fault_detected")
     assert detected["rank"] == 0 and detected["reason"] == "did not re-register with the restarted node monitor"
     assert second.watch(live.pid) is not None and live.proc.poll() is None  # re-registered on its own
