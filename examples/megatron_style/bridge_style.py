@@ -6,11 +6,16 @@ fields (`train`, `checkpoint`, `ft`, `nvrx_straggler`, `inprocess_restart`,
 user's loop ports by changing imports; this file shows where each import's functions go.
 CPU / gloo by default, NCCL on CUDA when present.
 
-Checkpoints are one torch.save file per iteration (rank 0, written atomically), holding the
-model, the optimizer, the iteration and the rerun state machine's state.
+Checkpoints are one torch.save file (rank 0, written atomically), holding the model, the
+optimizer, the iteration and the rerun state machine's state. Gradients are averaged after the
+backward passes, as Megatron's finalize_model_grads does; with the straggler manager on, that
+all-reduce is timed as a "wait" section, so the time a fast rank spends waiting for a slow one
+is not counted against it.
 """
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -18,9 +23,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from nvrx_core.durable import atomic_write_with
+from nvrx_core.exit_codes import ExitCode
 from nvrx_megatron import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,
                            RerunStateMachineConfig)
 from nvrx_megatron import fault_tolerance
@@ -71,6 +76,17 @@ class GlobalState:
     rank_monitor_client: Any = None
     fault_tolerance_state: Any = None
     nvrx_straggler_manager: Any = None
+    exit_code: Optional[int] = None
+    """What the last run ended with (0, or a stop's code); not on Bridge's GlobalState."""
+
+    def reset_for_restart(self) -> None:
+        """Before an in-process restart calls the training function again (Bridge's name): the
+        loop's state starts over from the checkpoint; the old monitor client is kept so setup
+        can close it."""
+        self.train_state = TrainState()
+        self.fault_tolerance_state = None
+        self.nvrx_straggler_manager = None
+        self.exit_code = None
 
 
 class StopTraining(Exception):
@@ -83,9 +99,10 @@ class StopTraining(Exception):
 
 
 def pretrain(cfg: ConfigContainer, forward_step_func: Callable, model_provider: Callable[[], torch.nn.Module],
-             data_iterator_provider: Callable[[int], Iterator]) -> int:
-    """Train to cfg.train.train_iters; returns the process exit code (0, or a stop's code)."""
-    state = GlobalState(cfg)
+             data_iterator_provider: Callable[[int], Iterator], state: Optional[GlobalState] = None) -> int:
+    """Train to cfg.train.train_iters; returns the process exit code (0, or a stop's code).
+    Pass `state` to look at the run afterwards (its iteration, the straggler manager's report)."""
+    state = state if state is not None else GlobalState(cfg)
     train = _train
     store = None
     if cfg.inprocess_restart is not None:
@@ -106,8 +123,9 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
     else:
         cfg.ft = None                          # the hooks are no-ops, as in Bridge
     torch.manual_seed(cfg.train.seed)
-    model = model_provider()
-    ddp = DistributedDataParallel(model)
+    model = model_provider().to(_device())
+    for p in model.parameters():               # every rank starts from rank 0's weights
+        dist.broadcast(p.data, src=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rerun = _rerun_machine(cfg)
     start = _load_checkpoint(cfg, state, model, optimizer, rerun)
@@ -118,15 +136,15 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
         data = RerunDataIterator(data)
 
     straggler = _straggler_manager(cfg, state)
-    train_step = _train_step
+    train_step = functools.partial(_train_step, cfg=cfg, straggler=straggler)
     if straggler is not None:
-        train_step = straggler.wrap_train_step_function(_train_step)
+        train_step = straggler.wrap_train_step_function(train_step)
     signals = _signal_handler(cfg)
     exit_code = 0
     try:
         while state.train_state.step < cfg.train.train_iters:
             fault_tolerance.on_training_step_start(state)
-            loss = train_step(forward_step_func, data, ddp, optimizer, rerun)
+            loss = train_step(forward_step_func, data, model, optimizer, rerun)
             state.train_state.step += 1
             fault_tolerance.on_training_step_end(state)
             if state.train_state.step % cfg.checkpoint.save_interval == 0:
@@ -138,7 +156,7 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
         if stop.checkpoint:
             _save_checkpoint(cfg, state, model, optimizer, rerun)
         logger.warning("stopping at iteration %d: %s (exit %d)", state.train_state.step, stop, stop.exit_code)
-        exit_code = stop.exit_code
+        exit_code = int(stop.exit_code)
         fault_tolerance.abort(state)           # not a completed run: no finished flag
     except BaseException:
         fault_tolerance.abort(state)           # no collective: a peer may be stuck in one
@@ -146,6 +164,7 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
     else:
         fault_tolerance.shutdown(state)        # learns timeouts, writes the finished flag
     finally:
+        state.exit_code = exit_code
         if straggler is not None:
             from nvrx_megatron.nvrx_straggler import safe_shutdown_nvrx_straggler_manager
 
@@ -155,16 +174,15 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
     return exit_code
 
 
-def _train_step(forward_step_func, data, ddp, optimizer, rerun) -> float:
+def _train_step(forward_step_func, data, model, optimizer, rerun, cfg, straggler) -> float:
     """One iteration; the rerun state machine may ask to run the forward/backward again."""
     loss_value = float("nan")
     while rerun is None or rerun.should_run_forward_backward(data):
         optimizer.zero_grad(set_to_none=True)
-        output, loss_func = forward_step_func(data, ddp)
+        output, loss_func = forward_step_func(data, model)
         loss = loss_func(output)
         if rerun is not None:
-            rerun.validate_result(result=loss.detach(), rejection_func=torch.isnan,
-                                  message="loss is NaN", tolerance=0.0, fatal=True)
+            _validate_loss(rerun, cfg.rerun_state_machine, loss.detach())
         loss.backward()
         loss_value = float(loss.detach())
         if rerun is None:
@@ -173,8 +191,32 @@ def _train_step(forward_step_func, data, ddp, optimizer, rerun) -> float:
         should_checkpoint, should_exit, exit_code = rerun.should_checkpoint_and_exit()
         if should_exit:
             raise StopTraining(exit_code, "rerun state machine verdict", checkpoint=should_checkpoint)
+    _finalize_model_grads(model, straggler)
     optimizer.step()
     return loss_value
+
+
+def _validate_loss(rerun, config: RerunStateMachineConfig, loss: torch.Tensor) -> None:
+    """Bridge's two loss checks: NaN (fatal) and, when asked for, a spike (not fatal)."""
+    if config.check_for_nan_in_loss:
+        rerun.validate_result(result=loss, rejection_func=torch.isnan,
+                              message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+    if config.check_for_spiky_loss:
+        spiky = functools.partial(rerun.is_unexpectedly_large, threshold=config.spiky_loss_factor, context="loss")
+        rerun.validate_result(result=loss, rejection_func=spiky, message="Spiky loss", tolerance=0.0, fatal=False)
+
+
+def _finalize_model_grads(model: torch.nn.Module, straggler) -> None:
+    """Average the gradients over the ranks (one flat all-reduce)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    with straggler.section("grad_sync", kind="wait") if straggler is not None else contextlib.nullcontext():
+        dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _check_stops(cfg, state, straggler, signals, rerun) -> None:
@@ -183,11 +225,9 @@ def _check_stops(cfg, state, straggler, signals, rerun) -> None:
         from nvrx_megatron.nvrx_straggler import check_nvrx_straggler_detection
 
         if check_nvrx_straggler_detection(straggler):
-            raise StopTraining(19, "stragglers detected")
+            raise StopTraining(ExitCode.STRAGGLER_STOP, "stragglers detected")
     if signals is not None and any(signals.signals_received()):
-        raise StopTraining(18, "preemption signal received")
-
-
+        raise StopTraining(ExitCode.PREEMPTED, "preemption signal received")
 
 # ---- the parts each config switches on -----------------------------------------------------
 
@@ -218,6 +258,10 @@ def _rerun_machine(cfg: ConfigContainer):
 
 
 # ---- distributed and checkpoints ---------------------------------------------------------------
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
 
 def _init_distributed(store: Any) -> None:
     if dist.is_initialized():

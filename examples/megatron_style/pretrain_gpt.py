@@ -7,20 +7,25 @@
 Flags switch on each config the way a Bridge recipe sets `cfg.ft`, `cfg.nvrx_straggler`,
 `cfg.inprocess_restart` and `cfg.rerun_state_machine`. Every batch is a function of
 (iteration, rank), so a job resumed from any checkpoint computes what an uninterrupted one
-does; --weights-file writes a hash of the final weights (rank 0).
+does; --result-file writes how each rank's run ended (exit code, iteration, a hash of the
+final weights, the straggler verdict).
 """
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
 import sys
+import time
 
 import torch
 
-from bridge_style import CheckpointConfig, ConfigContainer, TrainConfig, pretrain
+from nvrx_core.durable import atomic_write_json
 from nvrx_megatron import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,
                            RerunStateMachineConfig)
+
+from bridge_style import CheckpointConfig, ConfigContainer, GlobalState, TrainConfig, pretrain
 
 VOCAB, SEQ, WIDTH = 64, 16, 32
 
@@ -39,10 +44,11 @@ class TinyGPT(torch.nn.Module):
 
 
 class Batches:
-    """Deterministic token batches: batch i of rank r is the same in every run."""
+    """Deterministic token batches: batch i of rank r is the same in every run. Yields
+    (tokens, iteration), so the loss can be poisoned at a chosen iteration."""
 
-    def __init__(self, start: int, micro_batch_size: int, nan_at: int = -1):
-        self.iteration, self.size, self.nan_at = start, micro_batch_size, nan_at
+    def __init__(self, start: int, micro_batch_size: int):
+        self.iteration, self.size = start, micro_batch_size
         self.rank = int(os.environ.get("RANK", 0))
 
     def __iter__(self):
@@ -51,64 +57,148 @@ class Batches:
     def __next__(self):
         gen = torch.Generator().manual_seed(self.iteration * 1000 + self.rank)
         self.iteration += 1
-        return torch.randint(0, VOCAB, (self.size, SEQ + 1), generator=gen), self.iteration == self.nan_at
+        return torch.randint(0, VOCAB, (self.size, SEQ + 1), generator=gen), self.iteration
 
 
-def forward_step(data_iterator, model):
+class LossFaults:
+    """What this rank does to its steps, to rehearse the resiliency parts: a NaN loss that comes
+    with the data (every computation of that iteration), a NaN or a spike that only the first
+    computation gets (a transient fault), an exception once (in-process restart), a longer
+    step (a slow rank). The object outlives an in-process restart, so a one-off stays one-off."""
+
+    def __init__(self, nan_at=-1, transient_nan_at=-1, spike_at=-1, raise_at=-1, step_time=0.0, slowdown=1.0):
+        self.nan_at, self.transient_nan_at, self.spike_at = nan_at, transient_nan_at, spike_at
+        self.raise_at, self.step_time, self.slowdown = raise_at, step_time, slowdown
+        self._struck = set()
+
+    def maybe_raise(self, iteration: int) -> None:
+        if iteration == self.raise_at and "raise" not in self._struck:
+            self._struck.add("raise")
+            raise RuntimeError(f"injected exception at iteration {iteration}")
+
+    def loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
+        if iteration == self.nan_at:
+            return loss * float("nan")
+        if iteration in (self.transient_nan_at, self.spike_at) and iteration not in self._struck:
+            self._struck.add(iteration)
+            return loss * (float("nan") if iteration == self.transient_nan_at else 1000.0)
+        return loss
+
+    def spend(self, started: float) -> None:
+        """Make the forward take step_time, times slowdown (its own compute included)."""
+        busy = time.perf_counter() - started
+        time.sleep(max(0.0, max(self.step_time, busy) * self.slowdown - busy))
+
+
+def forward_step(data_iterator, model, faults: LossFaults):
     """Megatron's shape: returns the output and a function turning it into the loss."""
-    tokens, poisoned = next(data_iterator)
+    started = time.perf_counter()
+    tokens, iteration = next(data_iterator)
+    faults.maybe_raise(iteration)
+    tokens = tokens.to(next(model.parameters()).device)
     logits = model(tokens[:, :-1])
+    faults.spend(started)
 
     def loss_func(output):
         loss = torch.nn.functional.cross_entropy(output.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        return loss * float("nan") if poisoned else loss
+        return faults.loss(loss, iteration)
     return logits, loss_func
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def _on_rank(spec: str, cast=int):
+    """'RANK:VALUE' -> VALUE on that rank, else None."""
+    if not spec:
+        return None
+    rank, value = spec.split(":")
+    return cast(value) if int(rank) == int(os.environ.get("RANK", 0)) else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--save", required=True)
     p.add_argument("--train-iters", type=int, default=100)
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--enable-ft", action="store_true")
     p.add_argument("--calc-ft-timeouts", action="store_true")
-    p.add_argument("--simulated-fault", default=None, help="rank_killed:RANK:DELAY_S or rank_hung:RANK:DELAY_S")
+    p.add_argument("--simulated-fault", default=None, metavar="KIND:RANK:DELAY_S",
+                   help="Bridge's simulated fault (rank_killed, rank_hung, random); it fires in the first cycle only")
     p.add_argument("--straggler", action="store_true")
+    p.add_argument("--straggler-stop-threshold", type=float, default=None, metavar="SCORE",
+                   help="stop (exit 19, after a checkpoint) when a rank's relative score drops below SCORE")
     p.add_argument("--inprocess", action="store_true")
-    p.add_argument("--rerun-mode", default="disabled", choices=("disabled", "validate_results", "report_determinism_stats"))
-    p.add_argument("--nan-at", type=int, default=-1, help="poison the loss of this iteration (rank 0's batch)")
+    p.add_argument("--rerun-mode", default="disabled",
+                   choices=("disabled", "validate_results", "report_determinism_stats"))
+    p.add_argument("--check-for-spiky-loss", action="store_true")
+    p.add_argument("--nan-at", default="", metavar="RANK:ITER", help="a NaN loss that comes with the data")
+    p.add_argument("--transient-nan-at", default="", metavar="RANK:ITER", help="a NaN loss once (not on a rerun)")
+    p.add_argument("--spike-at", default="", metavar="RANK:ITER", help="a loss 1000x too large once")
+    p.add_argument("--raise-at", default="", metavar="RANK:ITER", help="an exception in that forward, once")
+    p.add_argument("--step-time", type=float, default=0.0, help="seconds each forward takes at least")
+    p.add_argument("--slow-rank", default="", metavar="RANK:FACTOR", help="that rank's forward takes FACTOR times longer")
     p.add_argument("--exit-signal-handler", action="store_true")
-    p.add_argument("--weights-file", default=None)
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p.add_argument("--result-file", default=None,
+                   help="per-rank JSON of how the run ended ({rank} is replaced by the rank)")
+    return p.parse_args(argv)
 
+
+def build_config(args: argparse.Namespace) -> ConfigContainer:
+    """The ConfigContainer a Bridge recipe would set up for these flags."""
     ft = FaultToleranceConfig(enable_ft_package=args.enable_ft, calc_ft_timeouts=args.calc_ft_timeouts)
     if args.simulated_fault:
         kind, rank, delay = args.simulated_fault.split(":")
         ft = FaultToleranceConfig(enable_ft_package=True, calc_ft_timeouts=args.calc_ft_timeouts, simulate_fault=True,
                                   simulated_fault_type=kind, simulated_fault_rank=int(rank),
                                   simulated_fault_base_delay=int(delay))
-    cfg = ConfigContainer(
+    straggler = None
+    if args.straggler:
+        straggler = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=2.0)
+        if args.straggler_stop_threshold is not None:
+            straggler = NVRxStragglerDetectionConfig(
+                enabled=True, report_time_interval=1.0, stop_if_detected=True,
+                gpu_relative_perf_threshold=args.straggler_stop_threshold,
+                gpu_individual_perf_threshold=args.straggler_stop_threshold)
+    return ConfigContainer(
         train=TrainConfig(train_iters=args.train_iters, exit_signal_handler=args.exit_signal_handler),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval),
         ft=ft,
-        nvrx_straggler=NVRxStragglerDetectionConfig(enabled=True, report_time_interval=2.0) if args.straggler else None,
+        nvrx_straggler=straggler,
         inprocess_restart=InProcessRestartConfig(enabled=True) if args.inprocess else None,
-        rerun_state_machine=RerunStateMachineConfig(rerun_mode=args.rerun_mode),
+        rerun_state_machine=RerunStateMachineConfig(rerun_mode=args.rerun_mode,
+                                                    check_for_spiky_loss=args.check_for_spiky_loss),
     )
-    nan_at = args.nan_at if int(os.environ.get("RANK", 0)) == 0 else -1
-    model = None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    cfg = build_config(args)
+    faults = LossFaults(nan_at=_on_rank(args.nan_at) or -1, transient_nan_at=_on_rank(args.transient_nan_at) or -1,
+                        spike_at=_on_rank(args.spike_at) or -1, raise_at=_on_rank(args.raise_at) or -1,
+                        step_time=args.step_time,
+                        slowdown=_on_rank(args.slow_rank, float) or 1.0)
+    models = []
 
     def model_provider():
-        nonlocal model
-        model = TinyGPT()
-        return model
-    code = pretrain(cfg, forward_step, model_provider, lambda start: Batches(start, 8, nan_at))
-    if args.weights_file and int(os.environ.get("RANK", 0)) == 0 and code == 0:
-        weights = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
-        with open(args.weights_file, "w") as f:
-            f.write(hashlib.sha256(weights).hexdigest())
+        models.append(TinyGPT())
+        return models[-1]
+    state = GlobalState(cfg)
+    code = pretrain(cfg, functools.partial(forward_step, faults=faults), model_provider,
+                    lambda start: Batches(start, 8), state=state)
+    if args.result_file:
+        write_result(args.result_file, state, models[-1])
     return code
+
+
+def write_result(path_template: str, state: GlobalState, model: torch.nn.Module) -> None:
+    """How this rank's run ended: exit code, iteration, restart cycle, weights, straggler verdict."""
+    rank = int(os.environ.get("RANK", 0))
+    weights = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
+    report = getattr(state.nvrx_straggler_manager, "last_report", None)
+    result = {"rank": rank, "pid": os.getpid(), "exit_code": state.exit_code, "iteration": state.train_state.step,
+              "cycle": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+              "weights": hashlib.sha256(weights).hexdigest(),
+              "stragglers": sorted(report.flagged_ranks) if report is not None else None}
+    atomic_write_json(path_template.format(rank=rank), result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Running the reference Bridge-style trainer (examples/megatron_style/pretrain_gpt.py) under a
+real ft_launcher with 2 gloo ranks, and what its jobs must end with."""
+
+import json
+import os
+
+import torch
+
+from launcher_util import REPO, kinds, run_launcher
+from nvrx_core.events import read_events
+
+TRAINER = os.path.join(REPO, "examples", "megatron_style", "pretrain_gpt.py")
+ITERS = 200
+STEP_TIME = "0.03"  # 200 steps of 30 ms: the training loop alone outlasts the 5 s timeouts
+# Start-up (imports, gloo) is covered by the generous first timeouts; the job's own pace by 5 s ones.
+HEARTBEATS = ["--ft-initial-rank-heartbeat-timeout", "120", "--ft-rank-heartbeat-timeout", "5"]
+SECTIONS = ["--ft-rank-section-timeouts", "setup:120,step:5,checkpointing:30",
+            "--ft-rank-out-of-section-timeout", "5",
+            "--ft-initial-rank-heartbeat-timeout", "None", "--ft-rank-heartbeat-timeout", "None"]
+TIMEOUTS = {"heartbeats": HEARTBEATS, "sections": SECTIONS}
+ALL_ON = ["--straggler", "--rerun-mode", "validate_results", "--exit-signal-handler"]
+
+
+def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1):
+    """One job of the trainer under ft_launcher: (launcher result, events, per-rank results, flag)."""
+    root.mkdir(parents=True, exist_ok=True)
+    flag = root / "finished.flag"
+    result = run_launcher(
+        ["--nproc-per-node", "2", "--max-restarts", str(restarts), "--events-file", str(root / "events.jsonl"),
+         *timeouts, TRAINER, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
+         "--enable-ft", "--result-file", str(root / "result{rank}.json"), *trainer_args],
+        timeout=300, env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
+    results = [json.loads((root / f"result{r}.json").read_text())
+               for r in range(2) if (root / f"result{r}.json").exists()]
+    return result, read_events(str(root / "events.jsonl")), results, flag
+
+
+def saved_iteration(root) -> int:
+    return torch.load(root / "ckpt" / "checkpoint.pt", weights_only=False)["iteration"]
+
+
+def reference_weights(root):
+    """A fault-free job under the short heartbeat timeouts (nothing is falsely killed): its weights."""
+    result, events, results, flag = train(root, HEARTBEATS)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert [(r["iteration"], r["cycle"], r["exit_code"]) for r in results] == [(ITERS, 0, 0)] * 2
+    assert results[0]["weights"] == results[1]["weights"]
+    assert flag.exists()
+    assert not kinds(events, "fault_detected") and not kinds(events, "restart_begun")
+    return results[0]["weights"]
+
+
+def check_recovered(result, events, results, flag, weights, kind):
+    assert result.returncode == 0, result.stdout[-4000:]
+    [injected] = kinds(events, "fault_injected")
+    assert injected["fault"] == kind and injected["rank"] == 1
+    assert len(kinds(events, "restart_begun")) == 1
+    assert [(r["iteration"], r["cycle"], r["exit_code"]) for r in results] == [(ITERS, 1, 0)] * 2
+    assert all(r["weights"] == weights for r in results)
+    assert flag.exists()
+    last_start = max(e["time"] for e in kinds(events, "workers_started"))
+    assert os.stat(flag).st_mtime >= last_start - 1.0  # written by the finishing cycle
+    detected = kinds(events, "fault_detected")
+    if kind == "rank_killed":  # the launcher saw the death; no timeout had to fire
+        assert not detected
+    else:  # the hung rank was caught by a timeout, after the hang
+        assert any(e["rank"] == 1 and e["time"] >= injected["time"] for e in detected)
+        assert all(e["cycle"] == 0 for e in detected)
+    return detected

@@ -1,0 +1,77 @@
+"""The reference Bridge-style trainer under a real ft_launcher with 2 gloo ranks, with the
+other configs switched on: faults still recover with the straggler manager, the rerun facade
+and the signal handler on; an exception recovers in-process (same processes); a 30% slower
+rank stops every rank with exit 19 after a checkpoint; NaN losses end in exit 16 or 17."""
+
+import pytest
+import torch
+
+from launcher_util import kinds
+from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, TIMEOUTS, check_recovered, reference_weights,
+                              saved_iteration, train)
+from nvrx_core.exit_codes import ExitCode
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return reference_weights(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.mark.parametrize("kind, mode", [("rank_killed", "heartbeats"), ("rank_hung", "sections")])
+def test_with_straggler_rerun_and_signal_handler_on_a_fault_still_recovers(tmp_path, weights, kind, mode):
+    outcome = train(tmp_path, TIMEOUTS[mode], "--simulated-fault", f"{kind}:1:3", *ALL_ON)
+    check_recovered(*outcome, weights, kind)
+    assert [r["stragglers"] for r in outcome[2]] == [[], []]  # the manager reported, and flagged no one
+
+
+def test_an_exception_recovers_in_process_in_the_same_processes(tmp_path, weights):
+    result, events, results, flag = train(tmp_path, HEARTBEATS, "--inprocess", "--raise-at", "1:55", restarts=0)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert [(r["iteration"], r["cycle"], r["exit_code"]) for r in results] == [(ITERS, 0, 0)] * 2
+    assert all(r["weights"] == weights for r in results)
+    assert len(kinds(events, "workers_started")) == 1 and not kinds(events, "restart_begun")  # same processes
+    restarted = kinds(events, "inprocess_restarted")
+    assert sorted(e["rank"] for e in restarted) == [0, 1]
+    assert flag.exists()
+
+
+def test_a_30_percent_slower_rank_stops_every_rank_with_exit_19_after_a_checkpoint(tmp_path):
+    result, events, results, flag = train(tmp_path, HEARTBEATS, "--straggler", "--straggler-stop-threshold", "0.85",
+                                          "--slow-rank", "1:1.3", iters=1000)
+    assert result.returncode == ExitCode.STRAGGLER_STOP, result.stdout[-4000:]
+    assert [r["exit_code"] for r in results] == [ExitCode.STRAGGLER_STOP] * 2
+    assert [r["stragglers"] for r in results] == [[1], [1]]
+    stopped_at = {r["iteration"] for r in results}
+    assert len(stopped_at) == 1 and 0 < stopped_at.pop() == saved_iteration(tmp_path) < 1000
+    found = kinds(events, "straggler_found")
+    assert found and all(e["straggler_rank"] == 1 and e["score"] < 0.85 for e in found)
+    assert any(e["action"] == "stop" for e in found)
+    assert not kinds(events, "restart_begun") and not flag.exists()
+
+
+RERUN = ["--rerun-mode", "validate_results"]
+
+
+def test_a_nan_that_comes_with_the_data_checkpoints_and_exits_16(tmp_path):
+    result, events, results, flag = train(tmp_path, HEARTBEATS, *RERUN, "--nan-at", "0:25", iters=40)
+    assert result.returncode == ExitCode.RERUN_RESUME_ELSEWHERE, result.stdout[-4000:]
+    assert [(r["exit_code"], r["iteration"]) for r in results] == [(ExitCode.RERUN_RESUME_ELSEWHERE, 24)] * 2
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    assert saved["iteration"] == 24 and saved["rerun_state_machine"] is not None  # the step to re-run elsewhere
+    [rejected, reproduced] = [e for e in events if e["kind"].startswith("rerun_result") and e["rank"] == 0]
+    assert (rejected["iteration"], reproduced["iteration"]) == (25, 25)
+    assert not kinds(events, "rerun_diagnosis")  # decided only on another device
+    assert not flag.exists()
+
+
+def test_a_transient_nan_in_the_fatal_nan_check_exits_17(tmp_path):
+    """Bridge's NaN check is fatal: a NaN that does not come back on the re-run is a transient
+    fault that may have corrupted state, so the job stops (megatron-core's rule)."""
+    result, events, results, flag = train(tmp_path, HEARTBEATS, *RERUN, "--transient-nan-at", "0:25", iters=40)
+    assert result.returncode == ExitCode.RERUN_VALIDATION_FAILED, result.stdout[-4000:]
+    assert [(r["exit_code"], r["iteration"]) for r in results] == [(ExitCode.RERUN_VALIDATION_FAILED, 24)] * 2
+    [diagnosis] = kinds(events, "rerun_diagnosis")
+    assert (diagnosis["diagnosis"], diagnosis["rank"], diagnosis["iteration"]) == ("transient_error", 0, 25)
+    assert not flag.exists()
