@@ -45,6 +45,12 @@ class ExitCode(enum.IntEnum):
     stopped rather than left to train with no hang detection."""
 
 
+PREEMPTED_EXIT_CODE_ENV = "NVRX_PREEMPTED_EXIT_CODE"
+"""When set, ft_launcher ends a preempted job (PREEMPTED) with this code instead: the one
+place the table is mapped to a scheduler template's own convention (NeMo-Run's Slurm
+template requeues a job only when it exits 0 unfinished; any other code counts as a failure)."""
+
+
 def describe(code: int) -> str:
     """A human-readable name for an exit code, including codes not in the table."""
     try:

@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError, check
-from nvrx_core.exit_codes import ExitCode, describe
+from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV, ExitCode, describe
 from nvrx_core.ft import finished
 from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
@@ -84,15 +84,36 @@ def _ft_flag_help(name: str) -> str:
 
 
 def load_ft_config(args) -> FTConfig:
+    """Defaults < the YAML file < --ft-* flags. A missing file named by --ft-cfg-path is an
+    error; one named by $FAULT_TOL_CFG_PATH only a warning: NeMo-Run's Slurm template exports
+    that variable whether or not anything wrote the file."""
     path = args.ft_cfg_path or os.environ.get(CONFIG_PATH_ENV)
     if path and not os.path.exists(path):
-        if not args.ignore_missing_fault_tol_cfg:
+        if args.ft_cfg_path and not args.ignore_missing_fault_tol_cfg:
             raise ConfigError(f"fault tolerance config {path!r} does not exist "
                               "(pass --ignore-missing-fault-tol-cfg to run with defaults)")
-        logger.warning("fault tolerance config %s not found; using defaults", path)
+        logger.warning("fault tolerance config %s (%s) not found; using defaults and --ft-* flags", path,
+                       "--ft-cfg-path" if args.ft_cfg_path else f"${CONFIG_PATH_ENV}")
         path = None
     overrides = {name: getattr(args, f"ft_{name}") for name in _ft_fields() if getattr(args, f"ft_{name}") is not None}
     return FTConfig.from_layers(path, overrides)
+
+
+def preempted_exit_code() -> Optional[int]:
+    """The code to end with instead of PREEMPTED (18), from $NVRX_PREEMPTED_EXIT_CODE.
+
+    A scheduler template may read exit codes its own way: NeMo-Run's Slurm template counts
+    every non-zero exit against the job's retries, and requeues a job that exits 0 without
+    the finished flag, so a preempted job there must end 0 to be requeued, not failed."""
+    value = os.environ.get(PREEMPTED_EXIT_CODE_ENV)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        code = int(value)
+    except ValueError:
+        code = -1
+    check(0 <= code <= 255, f"${PREEMPTED_EXIT_CODE_ENV}", value, "must be an exit code from 0 to 255")
+    return code
 
 
 def load_health_check(spec: str):
@@ -226,12 +247,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         ft_cfg = load_ft_config(args)
         settings = check_args(args)
         resolve_rendezvous(args)
+        preempted_code = preempted_exit_code()
     except ConfigError as e:
         print(f"ft_launcher: error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     logging.getLogger("nvrx").setLevel(ft_cfg.log_level)
     code = launch(args, settings, ft_cfg, events)
     events.emit(ev.LAUNCHER_EXIT, exit_code=int(code), meaning=describe(code))
+    if code == ExitCode.PREEMPTED and preempted_code is not None:
+        logger.info("preempted: exiting %d, as $%s asks", preempted_code, PREEMPTED_EXIT_CODE_ENV)
+        return preempted_code
     return int(code)
 
 

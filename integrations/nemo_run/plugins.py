@@ -1,0 +1,262 @@
+"""NeMo-Run plugins that switch nvrx-suite on for a task and its executor.
+
+`FaultTolerancePlugin` and `PreemptionPlugin` have Megatron-Bridge's fields, defaults and
+`run.Script` behaviour (its `*PluginScriptArgs`, converters and exact argument strings), then
+NeMo 2's `sig` and `callbacks`, then fields of our own, all optional. Unlike either anchor,
+one plugin serves a Script, a Partial of a Megatron-style function and a Partial of a
+Lightning function, and `setup` refuses any other task before it changes the executor.
+`StragglerDetectionPlugin` and `InProcessRestartPlugin` (no anchor has them) take the
+nvrx_megatron config they switch on.
+"""
+
+import dataclasses
+import logging
+import signal
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from nvrx_core.config import check
+from nvrx_nemo_run import executor as ex
+from nvrx_nemo_run import script_args as sa
+from nvrx_nemo_run._compat import Plugin, require_nemo_run
+from nvrx_nemo_run.tasks import TaskKind, classify, merge_callbacks, set_config, set_fields
+
+logger = logging.getLogger("nvrx.nemo_run")
+
+
+def _positive_or_none(value: Any, name: str) -> None:
+    check(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+          name, value, "must be a number of seconds > 0, or None")
+
+
+def _extend_script(task: Any, converter: Callable[[Any], List[str]], args: Any, plugin: str) -> None:
+    overrides = list(converter(args))
+    task.args.extend(overrides)
+    logger.info("%s added CLI overrides: %s", plugin, ", ".join(overrides))
+
+
+@dataclasses.dataclass(kw_only=True)
+class FaultTolerancePlugin(Plugin):
+    """Hang and crash detection with in-job restarts: our ft_launcher as the executor's launcher.
+
+    Bridge's fields first. Ours: `rank_section_timeouts` ({"setup": s, "step": s,
+    "checkpointing": s}) and `rank_out_of_section_timeout` (section-based detection),
+    `workload_check_interval`, `finished_flag_file` (local jobs; Slurm sets its own).
+    """
+
+    enable_ft_package: bool = True
+    calc_ft_timeouts: bool = True
+    num_in_job_restarts: int = 3
+    num_job_retries_on_failure: int = 2
+    initial_rank_heartbeat_timeout: Optional[int] = 1800
+    rank_heartbeat_timeout: Optional[int] = 300
+    script_args_converter_fn: Optional[Callable[[sa.FaultTolerancePluginScriptArgs], List[str]]] = None
+    rank_section_timeouts: Optional[Dict[str, Optional[float]]] = None
+    rank_out_of_section_timeout: Optional[float] = None
+    workload_check_interval: Optional[float] = None
+    finished_flag_file: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        for field in ("enable_ft_package", "calc_ft_timeouts"):
+            check(isinstance(getattr(self, field), bool), f"{name}.{field}", getattr(self, field),
+                  "must be True or False")
+        for field in ("num_in_job_restarts", "num_job_retries_on_failure"):
+            value = getattr(self, field)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, f"{name}.{field}", value,
+                  "must be an integer >= 0")
+        for field in ("initial_rank_heartbeat_timeout", "rank_heartbeat_timeout", "rank_out_of_section_timeout",
+                      "workload_check_interval"):
+            _positive_or_none(getattr(self, field), f"{name}.{field}")
+        check(self.rank_section_timeouts is None or isinstance(self.rank_section_timeouts, dict),
+              f"{name}.rank_section_timeouts", self.rank_section_timeouts, "must be a dict of section -> seconds")
+        for section, seconds in (self.rank_section_timeouts or {}).items():
+            _positive_or_none(seconds, f"{name}.rank_section_timeouts[{section!r}]")
+        check(self.script_args_converter_fn is None or callable(self.script_args_converter_fn),
+              f"{name}.script_args_converter_fn", self.script_args_converter_fn, "must be callable or None")
+        self.ft_config()  # the core's own rules (a section timeout without sections, ...)
+
+    def ft_config(self) -> Dict[str, Any]:
+        """The `fault_tolerance:` values ft_launcher gets from the YAML file, checked by the core."""
+        from nvrx_core.ft.config import FTConfig
+
+        values: Dict[str, Any] = {
+            "initial_rank_heartbeat_timeout": self.initial_rank_heartbeat_timeout,
+            "rank_heartbeat_timeout": self.rank_heartbeat_timeout,
+        }
+        if self.rank_section_timeouts is not None:
+            values["rank_section_timeouts"] = dict(self.rank_section_timeouts)
+        if self.rank_out_of_section_timeout is not None:
+            values["rank_out_of_section_timeout"] = self.rank_out_of_section_timeout
+        if self.workload_check_interval is not None:
+            values["workload_check_interval"] = self.workload_check_interval
+        FTConfig.from_layers(None, values)
+        return values
+
+    def setup(self, task: Any, executor: Any) -> None:
+        run = require_nemo_run()
+        name = type(self).__name__
+        kind, target = classify(task, run, name)
+        ex.install_ft_config(executor, run, self.ft_config())
+        ex.install_finished_flag(executor, run, self.finished_flag_file)
+        executor.launcher = run.FaultTolerance(
+            max_restarts=self.num_in_job_restarts,
+            initial_rank_heartbeat_timeout=self.initial_rank_heartbeat_timeout,
+            rank_heartbeat_timeout=self.rank_heartbeat_timeout,
+            workload_check_interval=self.workload_check_interval,
+        )
+        executor.retries = self.num_job_retries_on_failure
+        if kind is TaskKind.SCRIPT:
+            _extend_script(target, self.script_args_converter_fn or sa._default_fault_tolerance_converter,
+                           sa.FaultTolerancePluginScriptArgs(enable_ft_package=self.enable_ft_package,
+                                                             calc_ft_timeouts=self.calc_ft_timeouts), name)
+        elif kind is TaskKind.MEGATRON:
+            from nvrx_megatron import FaultToleranceConfig
+
+            set_config(target, "ft", FaultToleranceConfig, run, {"enable_ft_package": self.enable_ft_package,
+                                                                 "calc_ft_timeouts": self.calc_ft_timeouts})
+        elif self.enable_ft_package:
+            from nvrx_lightning import NVRxFaultTolerance
+
+            merge_callbacks(target, [run.Config(NVRxFaultTolerance, calculate_timeouts=self.calc_ft_timeouts)])
+
+
+@dataclasses.dataclass(kw_only=True)
+class PreemptionPlugin(Plugin):
+    """Stop every rank at the same step on a preemption signal, checkpoint, and be requeued.
+
+    Bridge's fields first, then NeMo 2's: `sig` (the signal the handler waits for and Slurm
+    sends; SIGTERM) and `callbacks` (for a Lightning task; default: nvrx_lightning's
+    NVRxPreemption on `sig`).
+    """
+
+    preempt_time: int = 60
+    enable_exit_handler: bool = True
+    enable_exit_handler_for_data_loader: bool = False
+    script_args_converter_fn: Optional[Callable[[sa.PreemptionPluginScriptArgs], List[str]]] = None
+    sig: Union[str, int, signal.Signals] = signal.SIGTERM
+    callbacks: Optional[List[Any]] = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        check(isinstance(self.preempt_time, int) and not isinstance(self.preempt_time, bool)
+              and self.preempt_time > 0, f"{name}.preempt_time", self.preempt_time, "must be an integer > 0 seconds")
+        for field in ("enable_exit_handler", "enable_exit_handler_for_data_loader"):
+            check(isinstance(getattr(self, field), bool), f"{name}.{field}", getattr(self, field),
+                  "must be True or False")
+        check(bool(self.signal_name), f"{name}.sig", self.sig, "must name a signal")  # parse_signal raises first
+        check(self.callbacks is None or isinstance(self.callbacks, list), f"{name}.callbacks", self.callbacks,
+              "must be a list of callback configs or None")
+
+    @property
+    def signal_name(self) -> str:
+        from nvrx_core.ft.config import parse_signal
+
+        return parse_signal(self.sig, f"{type(self).__name__}.sig").name
+
+    def setup(self, task: Any, executor: Any) -> None:
+        run = require_nemo_run()
+        name = type(self).__name__
+        kind, target = classify(task, run, name)
+        ex.preemption_signal(executor, run, self.signal_name, self.preempt_time)
+        ex.requeue_when_preempted(executor, run)
+        if not self.enable_exit_handler:
+            return
+        if kind is TaskKind.SCRIPT:
+            _extend_script(target, self.script_args_converter_fn or sa._default_preemption_converter,
+                           sa.PreemptionPluginScriptArgs(
+                               enable_exit_handler=self.enable_exit_handler,
+                               enable_exit_handler_for_data_loader=self.enable_exit_handler_for_data_loader), name)
+        elif kind is TaskKind.MEGATRON:
+            from nvrx_nemo_run.tasks import get_field
+
+            train = get_field(target, "train")
+            check(train is not None, f"{name}: the task's config.train", train, "must be set to switch the handler on")
+            set_fields(train, {"exit_signal_handler": True,
+                               "exit_signal_handler_for_dataloader": self.enable_exit_handler_for_data_loader})
+        else:
+            callbacks = self.callbacks
+            if callbacks is None:
+                from nvrx_lightning import NVRxPreemption
+
+                callbacks = [run.Config(NVRxPreemption, signals=[self.signal_name])]
+            merge_callbacks(target, callbacks)
+
+
+def _megatron_config(cls_name: str, config: Any) -> Any:
+    """`config` (None: the defaults) as nvrx_megatron's `cls_name`, switched on."""
+    import nvrx_megatron
+
+    cls = getattr(nvrx_megatron, cls_name)
+    if config is None:
+        return cls(enabled=True)
+    check(isinstance(config, cls), "config", config, f"must be an nvrx_megatron.{cls_name} or None")
+    return dataclasses.replace(config, enabled=True)
+
+
+@dataclasses.dataclass(kw_only=True)
+class StragglerDetectionPlugin(Plugin):
+    """Name the rank that slows everyone down (and stop, with `stop_if_detected`).
+
+    `config`: an nvrx_megatron.NVRxStragglerDetectionConfig (None: Bridge's defaults), switched
+    on: set as `cfg.nvrx_straggler` of a Megatron-style task, passed as `nvrx_straggler.*`
+    overrides to a Script, or as NVRxStragglerDetection's arguments to a Lightning trainer.
+    """
+
+    config: Any = None
+    script_args_converter_fn: Optional[Callable[[sa.StragglerDetectionPluginScriptArgs], List[str]]] = None
+
+    def __post_init__(self) -> None:
+        self.config = _megatron_config("NVRxStragglerDetectionConfig", self.config)
+
+    def setup(self, task: Any, executor: Any) -> None:
+        run = require_nemo_run()
+        name = type(self).__name__
+        kind, target = classify(task, run, name)
+        if kind is TaskKind.SCRIPT:
+            _extend_script(target, self.script_args_converter_fn or sa._default_straggler_converter,
+                           sa.StragglerDetectionPluginScriptArgs(fields=sa.changed_fields(self.config)), name)
+        elif kind is TaskKind.MEGATRON:
+            fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+            set_config(target, "nvrx_straggler", type(self.config), run, fields)
+        else:
+            from nvrx_lightning import NVRxStragglerDetection
+
+            merge_callbacks(target, [run.Config(NVRxStragglerDetection, **self._callback_arguments())])
+
+    def _callback_arguments(self) -> Dict[str, Any]:
+        import inspect
+
+        from nvrx_lightning import NVRxStragglerDetection
+
+        accepted = inspect.signature(NVRxStragglerDetection).parameters
+        return {k: v for k, v in sa.changed_fields(self.config).items() if k in accepted}
+
+
+@dataclasses.dataclass(kw_only=True)
+class InProcessRestartPlugin(Plugin):
+    """Restart a failed iteration inside the running processes (no process restart).
+
+    `config`: an nvrx_megatron.InProcessRestartConfig (None: Bridge's defaults), switched on, as
+    `cfg.inprocess_restart` of a Megatron-style task or `inprocess_restart.*` overrides of a
+    Script. A Lightning task is refused: nvrx_lightning has no in-process restart.
+    """
+
+    config: Any = None
+    script_args_converter_fn: Optional[Callable[[sa.InProcessRestartPluginScriptArgs], List[str]]] = None
+
+    def __post_init__(self) -> None:
+        self.config = _megatron_config("InProcessRestartConfig", self.config)
+
+    def setup(self, task: Any, executor: Any) -> None:
+        run = require_nemo_run()
+        name = type(self).__name__
+        kind, target = classify(task, run, name)
+        if kind is TaskKind.LIGHTNING:
+            raise ValueError(f"{name}: a Lightning task cannot restart in-process (nvrx_lightning has no in-process "
+                             "restart; FaultTolerancePlugin restarts its processes); the executor was left unchanged")
+        if kind is TaskKind.SCRIPT:
+            _extend_script(target, self.script_args_converter_fn or sa._default_inprocess_converter,
+                           sa.InProcessRestartPluginScriptArgs(fields=sa.changed_fields(self.config)), name)
+        else:
+            fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+            set_config(target, "inprocess_restart", type(self.config), run, fields)

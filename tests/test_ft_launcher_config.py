@@ -1,0 +1,58 @@
+"""ft_launcher's configuration layers and edge mappings, parsed without starting a job."""
+
+import pytest
+
+from nvrx_core.config import ConfigError
+from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV
+from nvrx_core.ft.launcher import build_parser, load_ft_config, preempted_exit_code
+
+# What NeMo-Run 0.11's ft_launcher component writes (underscore spellings, zero values dropped).
+NEMO_RUN_ARGV = ["--ft-workload_check_interval", "5", "--ft-initial_rank_heartbeat_timeout", "1800",
+                 "--ft-rank_heartbeat_timeout", "300", "--ft-rank_termination_signal", "SIGKILL",
+                 "--ft-log_level", "INFO", "--max-restarts", "3", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", "localhost:0", "--rdzv-id", "8424", "--nnodes", "1", "--nproc-per-node", "2",
+                 "--node-rank", "0", "--tee", "3", "--no-python", "/opt/train.py", "--save", "/ckpt"]
+
+
+def test_every_flag_nemo_run_writes_is_accepted():
+    args = build_parser().parse_args(NEMO_RUN_ARGV)
+    cfg = load_ft_config(args)
+    assert (cfg.workload_check_interval, cfg.initial_rank_heartbeat_timeout, cfg.rank_heartbeat_timeout) == \
+        (5, 1800, 300)
+    assert args.max_restarts == 3 and args.training_script_args == ["--save", "/ckpt"]
+    assert build_parser().parse_args(["--ignore-missing-fault-tol-cfg", "train.py"]).ignore_missing_fault_tol_cfg
+
+
+def test_a_missing_file_named_by_the_environment_only_warns(tmp_path, monkeypatch, caplog):
+    """NeMo-Run's Slurm template exports FAULT_TOL_CFG_PATH whether or not the file was written."""
+    missing = str(tmp_path / "never_written.yml")
+    monkeypatch.setenv("FAULT_TOL_CFG_PATH", missing)
+    with caplog.at_level("WARNING", logger="nvrx.ft.launcher"):
+        cfg = load_ft_config(build_parser().parse_args(["--ft-rank-heartbeat-timeout", "42", "train.py"]))
+    assert cfg.rank_heartbeat_timeout == 42 and missing in caplog.text
+    with pytest.raises(ConfigError, match="does not exist"):  # named on the command line: an error
+        load_ft_config(build_parser().parse_args(["--ft-cfg-path", missing, "train.py"]))
+
+
+def test_the_preempted_exit_code_mapping_is_checked(monkeypatch):
+    monkeypatch.delenv(PREEMPTED_EXIT_CODE_ENV, raising=False)
+    assert preempted_exit_code() is None
+    monkeypatch.setenv(PREEMPTED_EXIT_CODE_ENV, "0")
+    assert preempted_exit_code() == 0
+    for bad in ("-1", "256", "requeue"):
+        monkeypatch.setenv(PREEMPTED_EXIT_CODE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"NVRX_PREEMPTED_EXIT_CODE={bad!r}"):
+            preempted_exit_code()
+
+
+def test_a_preempted_job_ends_with_the_mapped_code(tmp_path):
+    from launcher_util import run_launcher
+
+    script = tmp_path / "preempted.py"
+    script.write_text("import sys\nsys.exit(18)  # PREEMPTED: checkpointed, requeue me\n")
+    plain = run_launcher(["--nproc-per-node", "1", str(script)], timeout=120)
+    assert plain.returncode == 18, plain.stdout[-3000:]
+    mapped = run_launcher(["--nproc-per-node", "1", str(script)], timeout=120, env={PREEMPTED_EXIT_CODE_ENV: "0"})
+    assert mapped.returncode == 0, mapped.stdout[-3000:]
+    bad = run_launcher(["--nproc-per-node", "1", str(script)], timeout=120, env={PREEMPTED_EXIT_CODE_ENV: "x"})
+    assert bad.returncode == 2 and "NVRX_PREEMPTED_EXIT_CODE" in bad.stdout
