@@ -11,30 +11,66 @@ tolerance then says once that it is inactive.
 """
 
 import argparse
+import hashlib
 import os
+from typing import Optional
 
 import torch
 
+from nvrx_core.durable import atomic_write_json
+from nvrx_core.ft.faults import FaultInjector, SimulatedFault
 from nvrx_lightning import NVRxAsyncCheckpointIO, NVRxFaultTolerance, NVRxPreemption, NVRxStragglerDetection
 from nvrx_lightning._compat import LightningModule, Trainer, pl
 
 
 class Regression(LightningModule):
+    """Each step's batch is a function of (global step, rank), so a job resumed from any
+    checkpoint computes exactly what an uninterrupted one does (a shuffled DataLoader would
+    restart its epoch on resume)."""
+
     def __init__(self):
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        gen = torch.Generator().manual_seed(self.trainer.global_step * 1000 + self.global_rank)
+        x = torch.randn(32, 32, generator=gen)
+        return torch.nn.functional.mse_loss(self.net(x), x.sum(dim=1, keepdim=True))
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self):
-        x = torch.randn(4096, 32, generator=torch.Generator().manual_seed(0))
-        y = x.sum(dim=1, keepdim=True)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+        return torch.utils.data.DataLoader(torch.zeros(1_000_000, 1), batch_size=1)  # steps, not data
+
+
+class KillOnce(pl.Callback):
+    """Rehearsal: SIGKILL one rank at one step of the first cycle (`--kill-at RANK:STEP`)."""
+
+    def __init__(self, spec: str):
+        rank, step = (int(x) for x in spec.split(":"))
+        self.injector = FaultInjector(SimulatedFault("rank_killed", rank_to_fail=rank, at_iteration=step))
+
+    def on_train_batch_end(self, trainer, *args):
+        self.injector.maybe_inject(trainer.global_step)
+
+
+def fit(trainer: Trainer, root: str, kill_at: Optional[str] = None, result_dir: Optional[str] = None,
+        seed: int = 1234) -> None:
+    """Fit the model with `trainer`, resuming from `root`'s last checkpoint: a function of the
+    trainer, so NeMo-Run can run it as `run.Partial(fit, trainer=run.Config(Trainer, ...))` and
+    its plugins can add callbacks to that trainer."""
+    if kill_at:
+        trainer.callbacks.append(KillOnce(kill_at))
+    pl.seed_everything(seed)
+    model = Regression()
+    trainer.fit(model, ckpt_path="last")
+    if result_dir:
+        weights = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
+        os.makedirs(result_dir, exist_ok=True)
+        atomic_write_json(os.path.join(result_dir, f"result{trainer.global_rank}.json"),
+                          {"global_step": trainer.global_step, "weights": hashlib.sha256(weights).hexdigest(),
+                           "cycle": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))})
 
 
 def main():
@@ -55,7 +91,7 @@ def main():
         ],
         plugins=[NVRxAsyncCheckpointIO()],                          # saves block only for the snapshot
     )
-    trainer.fit(Regression(), ckpt_path="last")
+    fit(trainer, args.root)
 
 
 if __name__ == "__main__":

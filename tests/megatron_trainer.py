@@ -28,7 +28,7 @@ def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1):
     result = run_launcher(
         ["--nproc-per-node", "2", "--max-restarts", str(restarts), "--events-file", str(root / "events.jsonl"),
          *timeouts, TRAINER, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
-         "--enable-ft", "--result-file", str(root / "result{rank}.json"), *trainer_args],
+         "--enable-ft", "--result-dir", str(root), *trainer_args],
         timeout=300, env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
     results = [json.loads((root / f"result{r}.json").read_text())
                for r in range(2) if (root / f"result{r}.json").exists()]

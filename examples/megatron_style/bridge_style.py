@@ -40,6 +40,8 @@ class TrainConfig:
     seed: int = 1234
     exit_signal_handler: bool = False
     """Stop every rank at the same iteration on SIGTERM to any one rank (save, exit 18)."""
+    exit_signal_handler_for_dataloader: bool = False
+    """Bridge's flag for DataLoader workers; this trainer's loader has none, so it changes nothing."""
 
 
 @dataclasses.dataclass

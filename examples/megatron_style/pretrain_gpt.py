@@ -7,19 +7,22 @@
 Flags switch on each config the way a Bridge recipe sets `cfg.ft`, `cfg.nvrx_straggler`,
 `cfg.inprocess_restart` and `cfg.rerun_state_machine`. Every batch is a function of
 (iteration, rank), so a job resumed from any checkpoint computes what an uninterrupted one
-does; --result-file writes how each rank's run ended (exit code, iteration, a hash of the
+does; --result-dir gets how each rank's run ended (exit code, iteration, a hash of the
 final weights, the straggler verdict).
 """
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import logging
 import os
 import sys
 import time
+from typing import List, Optional
 
 import torch
+import yaml
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_megatron import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,
@@ -136,8 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each forward takes at least")
     p.add_argument("--slow-rank", default="", metavar="RANK:FACTOR", help="that rank's forward takes FACTOR times longer")
     p.add_argument("--exit-signal-handler", action="store_true")
-    p.add_argument("--result-file", default=None,
-                   help="per-rank JSON of how the run ended ({rank} is replaced by the rank)")
+    p.add_argument("--result-dir", default=None, help="where each rank writes result<RANK>.json: how its run ended")
+    p.add_argument("overrides", nargs="*", metavar="SECTION.FIELD=VALUE",
+                   help="Bridge-style config overrides, e.g. ft.calc_ft_timeouts=true")
     return p.parse_args(argv)
 
 
@@ -171,11 +175,16 @@ def build_config(args: argparse.Namespace) -> ConfigContainer:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = build_config(args)
+    cfg = apply_overrides(build_config(args), args.overrides)
     faults = LossFaults(nan_at=_on_rank(args.nan_at) or -1, transient_nan_at=_on_rank(args.transient_nan_at) or -1,
                         spike_at=_on_rank(args.spike_at) or -1, raise_at=_on_rank(args.raise_at) or -1,
-                        step_time=args.step_time,
-                        slowdown=_on_rank(args.slow_rank, float) or 1.0)
+                        step_time=args.step_time, slowdown=_on_rank(args.slow_rank, float) or 1.0)
+    return train_tiny_gpt(cfg, faults, args.result_dir)
+
+
+def train_tiny_gpt(cfg: ConfigContainer, faults: Optional[LossFaults] = None, result_dir: Optional[str] = None) -> int:
+    """Pretrain the tiny GPT with `cfg`; the exit code (0, or a stop's code)."""
+    faults = faults or LossFaults()
     models = []
 
     def model_provider():
@@ -184,12 +193,41 @@ def main(argv=None) -> int:
     state = GlobalState(cfg)
     code = pretrain(cfg, functools.partial(forward_step, faults=faults), model_provider,
                     lambda start: Batches(start, 8), state=state)
-    if args.result_file:
-        write_result(args.result_file, state, models[-1])
+    if result_dir:
+        write_result(result_dir, state, models[-1])
     return code
 
 
-def write_result(path_template: str, state: GlobalState, model: torch.nn.Module) -> None:
+def pretrain_tiny_gpt(cfg: ConfigContainer, step_time: float = 0.0, result_dir: Optional[str] = None) -> None:
+    """The trainer as a function of its ConfigContainer, for `run.Partial(pretrain_tiny_gpt, cfg=...)`
+    (NeMo-Run's plugins set cfg.ft, cfg.nvrx_straggler, ... on it); a stop's code becomes the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    code = train_tiny_gpt(cfg, LossFaults(step_time=step_time), result_dir)
+    if code:
+        sys.exit(code)
+
+
+SECTIONS = {"train": TrainConfig, "checkpoint": CheckpointConfig, "ft": FaultToleranceConfig,
+            "nvrx_straggler": NVRxStragglerDetectionConfig, "inprocess_restart": InProcessRestartConfig,
+            "rerun_state_machine": RerunStateMachineConfig}
+
+
+def apply_overrides(cfg: ConfigContainer, overrides: List[str]) -> ConfigContainer:
+    """Bridge's hydra-style `section.field=value` overrides (what NeMo-Run plugins append to a
+    run.Script); a section left None is created with its defaults first."""
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        section, dot, field = key.partition(".")
+        if not sep or not dot or section not in SECTIONS:
+            raise SystemExit(f"override {override!r}: expected SECTION.FIELD=VALUE with SECTION one of {list(SECTIONS)}")
+        current = getattr(cfg, section) or SECTIONS[section]()
+        if field not in {f.name for f in dataclasses.fields(current)}:
+            raise SystemExit(f"override {override!r}: {type(current).__name__} has no field {field!r}")
+        setattr(cfg, section, dataclasses.replace(current, **{field: yaml.safe_load(text)}))  # re-validated
+    return cfg
+
+
+def write_result(directory: str, state: GlobalState, model: torch.nn.Module) -> None:
     """How this rank's run ended: exit code, iteration, restart cycle, weights, straggler verdict."""
     rank = int(os.environ.get("RANK", 0))
     weights = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
@@ -198,7 +236,8 @@ def write_result(path_template: str, state: GlobalState, model: torch.nn.Module)
               "cycle": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
               "weights": hashlib.sha256(weights).hexdigest(),
               "stragglers": sorted(report.flagged_ranks) if report is not None else None}
-    atomic_write_json(path_template.format(rank=rank), result)
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_json(os.path.join(directory, f"result{rank}.json"), result)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ NeMo-Run turns `run.FaultTolerance` into an `ft_launcher` command line, but it d
 unset or zero value and has no flag for section timeouts. The full fault-tolerance config
 therefore also goes into a YAML file (`fault_tolerance:` section) that `FAULT_TOL_CFG_PATH`
 names; ft_launcher reads it first and the command line's flags on top:
-- LocalExecutor: the file goes into the job directory, and the plugin exports the path and a
-  finished-flag path (NeMo-Run exports neither for local jobs);
+- LocalExecutor: the file goes into a private temporary directory (the experiment directory
+  does not exist yet when plugins run), and the plugin exports its path and a finished-flag
+  path in the job directory (NeMo-Run exports neither for local jobs);
 - SlurmExecutor: the template exports `FAULT_TOL_CFG_PATH` naming `<job>_ft_cfg.yml` in the
   job directory on the cluster side but never writes it; the plugin writes it there through
   the executor's tunnel.
@@ -38,8 +39,9 @@ def install_ft_config(executor: Any, run: Any, values: Dict[str, Any]) -> str:
     text = ft_config_yaml(values)
     if isinstance(executor, run.SlurmExecutor):
         return _put_through_tunnel(executor, text)
-    path = os.path.join(_job_dir(executor), LOCAL_FT_CONFIG)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Not in the job directory: plugins run before NeMo-Run creates the experiment directory,
+    # and it refuses one that already exists.
+    path = os.path.join(tempfile.mkdtemp(prefix=f"nvrx-ft-{_job_name(executor)}-"), LOCAL_FT_CONFIG)
     atomic_write_bytes(path, text.encode())
     executor.env_vars[CONFIG_PATH_ENV] = path
     return path
@@ -83,6 +85,10 @@ def preemption_signal(executor: Any, run: Any, name: str, seconds: int) -> None:
     """Slurm's `--signal=NAME@SECONDS`: the signal, that long before the time limit."""
     if isinstance(executor, run.SlurmExecutor):
         executor.signal = f"{name[3:] if name.startswith('SIG') else name}@{seconds}"
+
+
+def _job_name(executor: Any) -> str:
+    return os.path.basename(_job_dir(executor).rstrip(os.sep)) or "job"
 
 
 def _job_dir(executor: Any) -> str:
