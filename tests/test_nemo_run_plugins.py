@@ -178,6 +178,19 @@ def test_a_plain_function_partial_is_refused_and_the_executor_left_unchanged(tmp
         plugin.setup(object(), executor)
 
 
+@dataclasses.dataclass
+class BareTrainConfig:
+    train_iters: int = 10
+
+
+def test_a_megatron_config_without_the_handler_field_is_refused_before_the_executor_changes(tmp_path):
+    executor = run.SlurmExecutor(account="acct", tunnel=run.LocalTunnel(job_dir=str(tmp_path / "cluster")))
+    task = run.Partial(pretrain, config=run.Config(ConfigContainer, train=run.Config(BareTrainConfig)))
+    with pytest.raises(ConfigError, match="exit_signal_handler"):
+        PreemptionPlugin().setup(task, executor)
+    assert executor.signal is None and "NVRX_PREEMPTED_EXIT_CODE" not in executor.env_vars
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(num_in_job_restarts=-1), "num_in_job_restarts=-1"),
     (dict(rank_heartbeat_timeout=0), "rank_heartbeat_timeout=0"),

@@ -18,7 +18,7 @@ from nvrx_core.config import check
 from nvrx_nemo_run import executor as ex
 from nvrx_nemo_run import script_args as sa
 from nvrx_nemo_run._compat import Plugin, require_nemo_run
-from nvrx_nemo_run.tasks import TaskKind, classify, merge_callbacks, set_config, set_fields
+from nvrx_nemo_run.tasks import TaskKind, classify, field_names, get_field, merge_callbacks, set_config, set_fields
 
 logger = logging.getLogger("nvrx.nemo_run")
 
@@ -157,6 +157,10 @@ class PreemptionPlugin(Plugin):
         run = require_nemo_run()
         name = type(self).__name__
         kind, target = classify(task, run, name)
+        if kind is TaskKind.MEGATRON and self.enable_exit_handler:
+            target = get_field(target, "train")
+            check(target is not None and "exit_signal_handler" in field_names(target), f"{name}: config.train",
+                  target, "must be set and have exit_signal_handler (Bridge's TrainConfig) to switch the handler on")
         ex.preemption_signal(executor, run, self.signal_name, self.preempt_time)
         ex.requeue_when_preempted(executor, run)
         if not self.enable_exit_handler:
@@ -167,12 +171,8 @@ class PreemptionPlugin(Plugin):
                                enable_exit_handler=self.enable_exit_handler,
                                enable_exit_handler_for_data_loader=self.enable_exit_handler_for_data_loader), name)
         elif kind is TaskKind.MEGATRON:
-            from nvrx_nemo_run.tasks import get_field
-
-            train = get_field(target, "train")
-            check(train is not None, f"{name}: the task's config.train", train, "must be set to switch the handler on")
-            set_fields(train, {"exit_signal_handler": True,
-                               "exit_signal_handler_for_dataloader": self.enable_exit_handler_for_data_loader})
+            set_fields(target, {"exit_signal_handler": True,
+                                "exit_signal_handler_for_dataloader": self.enable_exit_handler_for_data_loader})
         else:
             callbacks = self.callbacks
             if callbacks is None:
