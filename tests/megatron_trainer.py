@@ -1,12 +1,14 @@
 """Running the reference Bridge-style trainer (examples/megatron_style/pretrain_gpt.py) under a
 real ft_launcher with 2 gloo ranks, and what its jobs must end with."""
 
+import fcntl
 import json
 import os
 
 import torch
 
 from launcher_util import REPO, kinds, run_launcher
+from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import read_events
 
 TRAINER = os.path.join(REPO, "examples", "megatron_style", "pretrain_gpt.py")
@@ -48,6 +50,21 @@ def reference_weights(root):
     assert flag.exists()
     assert not kinds(events, "fault_detected") and not kinds(events, "restart_begun")
     return results[0]["weights"]
+
+
+def shared_reference_weights(tmp_path_factory) -> str:
+    """reference_weights, run once per test session: pytest-xdist's workers of one session
+    (PYTEST_XDIST_TESTRUNUID) share it through a file under a lock."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if session is None:
+        return reference_weights(tmp_path_factory.mktemp("reference"))
+    shared = tmp_path_factory.getbasetemp().parent
+    result = shared / f"megatron_reference-{session}.json"
+    with open(shared / f"megatron_reference-{session}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            atomic_write_json(str(result), {"weights": reference_weights(shared / f"megatron_reference-{session}")})
+        return json.loads(result.read_text())["weights"]
 
 
 def check_recovered(result, events, results, flag, weights, kind):

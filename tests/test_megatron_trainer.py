@@ -6,14 +6,14 @@ job; a transient loss spike is re-run in place and training goes on to the same 
 import pytest
 
 from launcher_util import kinds
-from megatron_trainer import HEARTBEATS, ITERS, TIMEOUTS, check_recovered, reference_weights, train
+from megatron_trainer import HEARTBEATS, ITERS, TIMEOUTS, check_recovered, shared_reference_weights, train
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    return reference_weights(tmp_path_factory.mktemp("reference"))
+    return shared_reference_weights(tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind", ["rank_killed", "rank_hung"])

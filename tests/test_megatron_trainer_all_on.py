@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launcher_util import kinds
-from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, TIMEOUTS, check_recovered, reference_weights,
+from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, TIMEOUTS, check_recovered, shared_reference_weights,
                               saved_iteration, train)
 from nvrx_core.exit_codes import ExitCode
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    return reference_weights(tmp_path_factory.mktemp("reference"))
+    return shared_reference_weights(tmp_path_factory)
 
 
 @pytest.mark.parametrize("kind, mode", [("rank_killed", "heartbeats"), ("rank_hung", "sections")])

@@ -13,7 +13,7 @@ nemo_run = pytest.importorskip("nemo_run")
 run = nemo_run
 
 from launcher_util import REPO, kinds  # noqa: E402
-from megatron_trainer import HEARTBEATS, ITERS, STEP_TIME, reference_weights  # noqa: E402
+from megatron_trainer import ITERS, STEP_TIME, shared_reference_weights  # noqa: E402
 from nvrx_core.events import read_events  # noqa: E402
 from nvrx_nemo_run import FaultTolerancePlugin  # noqa: E402
 
@@ -55,7 +55,7 @@ def check_restarted_once_to(weights, job, results, events, flag, steps_key="iter
 
 @pytest.fixture(scope="module")
 def megatron_weights(tmp_path_factory):
-    return reference_weights(tmp_path_factory.mktemp("reference"))
+    return shared_reference_weights(tmp_path_factory)
 
 
 def test_a_script_of_the_megatron_style_trainer(tmp_path, megatron_weights):
