@@ -75,6 +75,14 @@ def test_a_script_gets_bridges_arguments_and_the_executor_our_launcher(tmp_path)
     assert "NVRX_PREEMPTED_EXIT_CODE" not in executor.env_vars   # a local job keeps exit 18
 
 
+def test_the_launcher_is_never_all_unset(tmp_path):
+    """With every field unset NeMo-Run would write --ignore-missing-fault-tol-cfg and no --ft-* flag."""
+    executor = _executor(tmp_path)
+    FaultTolerancePlugin(num_in_job_restarts=0, initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None,
+                         rank_section_timeouts={"step": 60}, rank_out_of_section_timeout=60).setup(_script(), executor)
+    assert executor.launcher.workload_check_interval == 5.0
+
+
 def test_a_custom_converter_replaces_the_hydra_overrides(tmp_path):
     task = _script()
     FaultTolerancePlugin(script_args_converter_fn=lambda a: [f"--ft={a.enable_ft_package}"]).setup(

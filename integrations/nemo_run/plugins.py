@@ -89,7 +89,7 @@ class FaultTolerancePlugin(Plugin):
             values["rank_out_of_section_timeout"] = self.rank_out_of_section_timeout
         if self.workload_check_interval is not None:
             values["workload_check_interval"] = self.workload_check_interval
-        FTConfig.from_layers(None, values)
+        values["workload_check_interval"] = FTConfig.from_layers(None, values).workload_check_interval
         return values
 
     def setup(self, task: Any, executor: Any) -> None:
@@ -102,7 +102,8 @@ class FaultTolerancePlugin(Plugin):
             max_restarts=self.num_in_job_restarts,
             initial_rank_heartbeat_timeout=self.initial_rank_heartbeat_timeout,
             rank_heartbeat_timeout=self.rank_heartbeat_timeout,
-            workload_check_interval=self.workload_check_interval,
+            # always set: with every field unset NeMo-Run passes --ignore-missing-fault-tol-cfg instead
+            workload_check_interval=self.ft_config()["workload_check_interval"],
         )
         executor.retries = self.num_job_retries_on_failure
         if kind is TaskKind.SCRIPT:
