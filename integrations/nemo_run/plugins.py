@@ -96,14 +96,15 @@ class FaultTolerancePlugin(Plugin):
         run = require_nemo_run()
         name = type(self).__name__
         kind, target = classify(task, run, name)
-        ex.install_ft_config(executor, run, self.ft_config())
+        values = self.ft_config()
+        ex.install_ft_config(executor, run, values)
         ex.install_finished_flag(executor, run, self.finished_flag_file)
         executor.launcher = run.FaultTolerance(
             max_restarts=self.num_in_job_restarts,
             initial_rank_heartbeat_timeout=self.initial_rank_heartbeat_timeout,
             rank_heartbeat_timeout=self.rank_heartbeat_timeout,
             # always set: with every field unset NeMo-Run passes --ignore-missing-fault-tol-cfg instead
-            workload_check_interval=self.ft_config()["workload_check_interval"],
+            workload_check_interval=values["workload_check_interval"],
         )
         executor.retries = self.num_job_retries_on_failure
         if kind is TaskKind.SCRIPT:
