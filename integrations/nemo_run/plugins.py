@@ -28,8 +28,7 @@ def _positive_or_none(value: Any, name: str) -> None:
           name, value, "must be a number of seconds > 0, or None")
 
 
-def _extend_script(task: Any, converter: Callable[[Any], List[str]], args: Any, plugin: str) -> None:
-    overrides = list(converter(args))
+def _extend_script(task: Any, overrides: List[str], plugin: str) -> None:
     task.args.extend(overrides)
     logger.info("%s added CLI overrides: %s", plugin, ", ".join(overrides))
 
@@ -108,9 +107,9 @@ class FaultTolerancePlugin(Plugin):
         )
         executor.retries = self.num_job_retries_on_failure
         if kind is TaskKind.SCRIPT:
-            _extend_script(target, self.script_args_converter_fn or sa._default_fault_tolerance_converter,
-                           sa.FaultTolerancePluginScriptArgs(enable_ft_package=self.enable_ft_package,
-                                                             calc_ft_timeouts=self.calc_ft_timeouts), name)
+            converter = self.script_args_converter_fn or sa._default_fault_tolerance_converter
+            _extend_script(target, list(converter(sa.FaultTolerancePluginScriptArgs(
+                enable_ft_package=self.enable_ft_package, calc_ft_timeouts=self.calc_ft_timeouts))), name)
         elif kind is TaskKind.MEGATRON:
             from nvrx_megatron import FaultToleranceConfig
 
@@ -168,10 +167,10 @@ class PreemptionPlugin(Plugin):
         if not self.enable_exit_handler:
             return
         if kind is TaskKind.SCRIPT:
-            _extend_script(target, self.script_args_converter_fn or sa._default_preemption_converter,
-                           sa.PreemptionPluginScriptArgs(
-                               enable_exit_handler=self.enable_exit_handler,
-                               enable_exit_handler_for_data_loader=self.enable_exit_handler_for_data_loader), name)
+            converter = self.script_args_converter_fn or sa._default_preemption_converter
+            _extend_script(target, list(converter(sa.PreemptionPluginScriptArgs(
+                enable_exit_handler=self.enable_exit_handler,
+                enable_exit_handler_for_data_loader=self.enable_exit_handler_for_data_loader))), name)
         elif kind is TaskKind.MEGATRON:
             set_fields(target, {"exit_signal_handler": True,
                                 "exit_signal_handler_for_dataloader": self.enable_exit_handler_for_data_loader})
@@ -184,19 +183,46 @@ class PreemptionPlugin(Plugin):
             merge_callbacks(target, callbacks)
 
 
-def _megatron_config(cls_name: str, config: Any) -> Any:
-    """`config` (None: the defaults) as nvrx_megatron's `cls_name`, switched on."""
-    import nvrx_megatron
+@dataclasses.dataclass(kw_only=True)
+class _ConfigPlugin(Plugin):
+    """A plugin that switches on one nvrx_megatron config: `cfg.<SECTION>` of a Megatron-style
+    task, `<SECTION>.*` overrides of a Script (`enabled` and the changed fields), and what
+    `lightning_callback` makes of it for a Lightning trainer."""
 
-    cls = getattr(nvrx_megatron, cls_name)
-    if config is None:
-        return cls(enabled=True)
-    check(isinstance(config, cls), "config", config, f"must be an nvrx_megatron.{cls_name} or None")
-    return dataclasses.replace(config, enabled=True)
+    CONFIG = ""
+    SECTION = ""
+
+    config: Any = None
+    script_args_converter_fn: Optional[Callable[[Any], List[str]]] = None
+
+    def __post_init__(self) -> None:
+        import nvrx_megatron
+
+        cls = getattr(nvrx_megatron, self.CONFIG)
+        check(self.config is None or isinstance(self.config, cls), f"{type(self).__name__}.config", self.config,
+              f"must be an nvrx_megatron.{self.CONFIG} or None")
+        self.config = dataclasses.replace(self.config or cls(), enabled=True)
+
+    def lightning_callback(self, run: Any) -> Any:
+        raise ValueError(f"{type(self).__name__}: a Lightning task cannot take it; the executor was left unchanged")
+
+    def script_arguments(self) -> List[str]:
+        raise NotImplementedError
+
+    def setup(self, task: Any, executor: Any) -> None:
+        run = require_nemo_run()
+        kind, target = classify(task, run, type(self).__name__)
+        if kind is TaskKind.SCRIPT:
+            _extend_script(target, self.script_arguments(), type(self).__name__)
+        elif kind is TaskKind.MEGATRON:
+            fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+            set_config(target, self.SECTION, type(self.config), run, fields)
+        else:
+            merge_callbacks(target, [self.lightning_callback(run)])
 
 
 @dataclasses.dataclass(kw_only=True)
-class StragglerDetectionPlugin(Plugin):
+class StragglerDetectionPlugin(_ConfigPlugin):
     """Name the rank that slows everyone down (and stop, with `stop_if_detected`).
 
     `config`: an nvrx_megatron.NVRxStragglerDetectionConfig (None: Bridge's defaults), switched
@@ -204,38 +230,25 @@ class StragglerDetectionPlugin(Plugin):
     overrides to a Script, or as NVRxStragglerDetection's arguments to a Lightning trainer.
     """
 
-    config: Any = None
-    script_args_converter_fn: Optional[Callable[[sa.StragglerDetectionPluginScriptArgs], List[str]]] = None
+    CONFIG = "NVRxStragglerDetectionConfig"
+    SECTION = "nvrx_straggler"
 
-    def __post_init__(self) -> None:
-        self.config = _megatron_config("NVRxStragglerDetectionConfig", self.config)
+    def script_arguments(self) -> List[str]:
+        converter = self.script_args_converter_fn or sa._default_straggler_converter
+        return list(converter(sa.StragglerDetectionPluginScriptArgs(fields=sa.changed_fields(self.config))))
 
-    def setup(self, task: Any, executor: Any) -> None:
-        run = require_nemo_run()
-        name = type(self).__name__
-        kind, target = classify(task, run, name)
-        if kind is TaskKind.SCRIPT:
-            _extend_script(target, self.script_args_converter_fn or sa._default_straggler_converter,
-                           sa.StragglerDetectionPluginScriptArgs(fields=sa.changed_fields(self.config)), name)
-        elif kind is TaskKind.MEGATRON:
-            fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-            set_config(target, "nvrx_straggler", type(self.config), run, fields)
-        else:
-            from nvrx_lightning import NVRxStragglerDetection
-
-            merge_callbacks(target, [run.Config(NVRxStragglerDetection, **self._callback_arguments())])
-
-    def _callback_arguments(self) -> Dict[str, Any]:
+    def lightning_callback(self, run: Any) -> Any:
         import inspect
 
         from nvrx_lightning import NVRxStragglerDetection
 
         accepted = inspect.signature(NVRxStragglerDetection).parameters
-        return {k: v for k, v in sa.changed_fields(self.config).items() if k in accepted}
+        fields = {k: v for k, v in sa.changed_fields(self.config).items() if k in accepted}
+        return run.Config(NVRxStragglerDetection, **fields)
 
 
 @dataclasses.dataclass(kw_only=True)
-class InProcessRestartPlugin(Plugin):
+class InProcessRestartPlugin(_ConfigPlugin):
     """Restart a failed iteration inside the running processes (no process restart).
 
     `config`: an nvrx_megatron.InProcessRestartConfig (None: Bridge's defaults), switched on, as
@@ -243,22 +256,14 @@ class InProcessRestartPlugin(Plugin):
     Script. A Lightning task is refused: nvrx_lightning has no in-process restart.
     """
 
-    config: Any = None
-    script_args_converter_fn: Optional[Callable[[sa.InProcessRestartPluginScriptArgs], List[str]]] = None
+    CONFIG = "InProcessRestartConfig"
+    SECTION = "inprocess_restart"
 
-    def __post_init__(self) -> None:
-        self.config = _megatron_config("InProcessRestartConfig", self.config)
+    def script_arguments(self) -> List[str]:
+        converter = self.script_args_converter_fn or sa._default_inprocess_converter
+        return list(converter(sa.InProcessRestartPluginScriptArgs(fields=sa.changed_fields(self.config))))
 
-    def setup(self, task: Any, executor: Any) -> None:
-        run = require_nemo_run()
-        name = type(self).__name__
-        kind, target = classify(task, run, name)
-        if kind is TaskKind.LIGHTNING:
-            raise ValueError(f"{name}: a Lightning task cannot restart in-process (nvrx_lightning has no in-process "
-                             "restart; FaultTolerancePlugin restarts its processes); the executor was left unchanged")
-        if kind is TaskKind.SCRIPT:
-            _extend_script(target, self.script_args_converter_fn or sa._default_inprocess_converter,
-                           sa.InProcessRestartPluginScriptArgs(fields=sa.changed_fields(self.config)), name)
-        else:
-            fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-            set_config(target, "inprocess_restart", type(self.config), run, fields)
+    def lightning_callback(self, run: Any) -> Any:
+        raise ValueError(f"{type(self).__name__}: a Lightning task cannot restart in-process (nvrx_lightning has no "
+                         "in-process restart; FaultTolerancePlugin restarts its processes); the executor was left "
+                         "unchanged")
