@@ -19,10 +19,12 @@ def weights(tmp_path_factory):
     return shared_reference_weights(tmp_path_factory)
 
 
-@pytest.mark.parametrize("kind, mode", [("rank_killed", "heartbeats"), ("rank_hung", "sections")])
-def test_with_straggler_rerun_and_signal_handler_on_a_fault_still_recovers(tmp_path, weights, kind, mode):
-    outcome = train(tmp_path, TIMEOUTS[mode], "--simulated-fault", f"{kind}:1:3", *ALL_ON)
-    check_recovered(*outcome, weights, kind)
+def test_with_straggler_rerun_and_signal_handler_on_a_hung_rank_still_recovers(tmp_path, weights):
+    """The hung rank under section timeouts: the case where the parts switched on could most
+    plausibly get in the way (a section left open, a collective of the straggler detector
+    or the rerun machine waiting on the frozen rank, the signal handler and the monitor's kill)."""
+    outcome = train(tmp_path, TIMEOUTS["sections"], "--simulated-fault", "rank_hung:1:3", *ALL_ON)
+    check_recovered(*outcome, weights, "rank_hung")
     assert [r["stragglers"] for r in outcome[2]] == [[], []]  # the manager reported, and flagged no one
 
 

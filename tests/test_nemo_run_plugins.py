@@ -263,12 +263,12 @@ def test_a_slurm_dry_run_writes_an_sbatch_script_our_launcher_accepts(tmp_path, 
     assert cfg.rank_section_timeouts["step"] == 60
 
 
-@pytest.mark.parametrize("form", [[], ["--partial"]], ids=["script", "partial"])
-def test_the_example_dry_runs_with_our_launcher(tmp_path, form):
+def test_the_example_dry_runs_a_partial_with_our_launcher(tmp_path):
+    form = ["--partial"]
     example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "nemo_run_ft.py")
     env = dict(os.environ, NEMORUN_HOME=str(tmp_path / "home"), COLUMNS="400")
     out = subprocess.run([sys.executable, example, "--root", str(tmp_path / "root"), "--dryrun", *form],
                          capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "'ft_launcher'" in out.stdout and "FAULT_TOL_CFG_PATH" in out.stdout
-    assert ("ft.enable_ft_package=true" in out.stdout) == (not form)   # a Partial gets a config, not arguments
+    assert "ft.enable_ft_package=true" not in out.stdout   # a Partial gets a config, not arguments
