@@ -142,9 +142,9 @@ def command(name, peer_python, workdir):
     job = [HERE, "--bench-worker", "--bench-workdir", workdir]
     common = ["--nproc-per-node", str(WORLD)]
     if name == "ours":
-        return [sys.executable, "-m", "nvrx_core.ft.launcher", *common, "--max-restarts", "0", *job, "--bench-mode", "ours"]
+        return [sys.executable, "-m", "nvrx_core.ft.command", *common, "--max-restarts", "0", *job, "--bench-mode", "ours"]
     if name == "ft_launcher":
-        return [sys.executable, "-m", "nvrx_core.ft.launcher", *common, "--max-restarts", "3", *job, "--bench-mode", "plain"]
+        return [sys.executable, "-m", "nvrx_core.ft.command", *common, "--max-restarts", "3", *job, "--bench-mode", "plain"]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", *common, "--max-restarts", "3", *job,
                 "--bench-mode", "plain"]

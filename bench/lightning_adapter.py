@@ -41,7 +41,7 @@ WARMUP_STEPS = 10
 def launcher(name: str, peer_python: str) -> list:
     common = ["--nproc-per-node", "2", "--max-restarts", "2"]
     if name == "ours":
-        return [sys.executable, "-m", "nvrx_core.ft.launcher", *common, *FT_FLAGS, *PRELOAD, JOB]
+        return [sys.executable, "-m", "nvrx_core.ft.command", *common, *FT_FLAGS, *PRELOAD, JOB]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *common, JOB]
     return [os.path.join(os.path.dirname(peer_python), "ft_launcher"), *common, *FT_FLAGS, JOB]

@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--peer-python", default="")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    ours_launcher = [sys.executable, "-m", "nvrx_core.ft.launcher"]
+    ours_launcher = [sys.executable, "-m", "nvrx_core.ft.command"]
     peer_launcher = [os.path.join(os.path.dirname(args.peer_python), "ft_launcher")] if args.peer_python else None
     if peer_launcher and not os.path.exists(peer_launcher[0]):
         print(f"nvidia-resiliency-ext not measured: no {peer_launcher[0]} (make peer builds it)")

@@ -47,7 +47,7 @@ def main() -> int:
 
 
 def run(args, baseline) -> int:
-    ours_cmd = [sys.executable, "-m", "nvrx_core.ft.launcher"]
+    ours_cmd = [sys.executable, "-m", "nvrx_core.ft.command"]
     peer_launcher = os.path.join(os.path.dirname(args.peer_python), "ft_launcher") if args.peer_python else None
     runs = {"ours": [], "peer": [], "baseline": []}
     for _ in range(args.runs):  # interleaved, so machine load hits both alike

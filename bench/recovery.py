@@ -30,7 +30,7 @@ def launcher_command(name: str, peer_python: str):
     ft_flags = ["--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
     common = ["--nproc-per-node", "2", "--max-restarts", "3"]
     if name == "ours":
-        return [sys.executable, "-m", "nvrx_core.ft.launcher", *common, *ft_flags, JOB, "--client", "ours"]
+        return [sys.executable, "-m", "nvrx_core.ft.command", *common, *ft_flags, JOB, "--client", "ours"]
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", *common, JOB, "--client", "none"]
     ft_launcher = os.path.join(os.path.dirname(peer_python), "ft_launcher")

@@ -20,7 +20,7 @@ def run_launcher(args: List[str], timeout: float = 180, env: Optional[dict] = No
     full_env.pop("NVRX_EVENTS_FILE", None)
     full_env.update(env or {})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nvrx_core.ft.launcher", *args],
+        [sys.executable, "-m", "nvrx_core.ft.command", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True,
     )
     try:

@@ -37,7 +37,7 @@ def _start_node(name, port, out, events):
     log = open(os.path.join(out, f"launcher.{name}.log"), "w")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "nvrx_core.ft.launcher", "--nnodes", "1:2", "--nproc-per-node", str(NPROC),
+            [sys.executable, "-m", "nvrx_core.ft.command", "--nnodes", "1:2", "--nproc-per-node", str(NPROC),
              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "late-join",
              "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3", "--events-file", events,
              JOB, "--out", out, "--world", str(2 * NPROC)],

@@ -33,7 +33,7 @@ class Launcher:
         for name in ("FAULT_TOL_FINISHED_FLAG_FILE", "NVRX_EVENTS_FILE"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nvrx_core.ft.launcher", *args],
+            [sys.executable, "-m", "nvrx_core.ft.command", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
     def finish(self, timeout=180) -> subprocess.CompletedProcess:

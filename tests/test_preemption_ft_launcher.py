@@ -39,7 +39,7 @@ def test_sigterm_to_one_worker_stops_the_job_with_exit_code_preempted(tmp_path, 
     env.pop("NVRX_EVENTS_FILE", None)
     env.pop("FAULT_TOL_FINISHED_FLAG_FILE", None)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "nvrx_core.ft.launcher", "--nproc-per-node", "2", "--max-restarts", "2",
+        [sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", "2", "--max-restarts", "2",
          "--events-file", events_file, *start, JOB, "--out", out],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:

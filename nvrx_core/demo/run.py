@@ -26,7 +26,7 @@ def _launch(workdir: str, name: str, nproc: int, steps: int, faults, live: bool)
     run_dir = os.path.join(workdir, name)
     os.makedirs(run_dir, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "nvrx_core.ft.launcher", "--nproc-per-node", str(nproc), "--max-restarts", "3",
+        sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", str(nproc), "--max-restarts", "3",
         "--events-file", os.path.join(run_dir, "events.jsonl"),
         "--ft-initial-rank-heartbeat-timeout", "60", "--ft-rank-heartbeat-timeout", "3",
         "-m", "nvrx_core.demo.train", "--steps", str(steps), "--ckpt-dir", os.path.join(run_dir, "ckpt"),

@@ -10,6 +10,7 @@ starts; a bad value ends the launcher with CONFIG_ERROR (2) and a message naming
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -30,7 +31,8 @@ from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultToleran
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
-from nvrx_core.ft.warm_start import PRELOAD, run_target, split_python_command, start_fork_server
+from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
+                                     start_fork_server)
 from nvrx_core.torch_compat import torchrun_cli
 
 logger = logging.getLogger("nvrx.ft.launcher")
@@ -169,8 +171,11 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     warm = args.warm_start and isinstance(entrypoint, str) and not args.no_python
     if warm:
         kind, target_args = split_python_command(entrypoint_args)
-        entrypoint, entrypoint_args = run_target, [kind, *target_args]
+        entrypoint, entrypoint_args = run_target, [kind, *target_args]  # the environment goes first, below
         config.start_method = "forkserver"
+    if warm:
+        extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
+        start_fork_server([*PRELOAD, *extra])  # a no-op when ft_launcher's command started it already
     params = RendezvousParameters(
         backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
         min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
@@ -190,9 +195,8 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     os.environ[MONITOR_SOCKET_ENV] = monitor.socket_path
     if events.path:
         os.environ[ev.EVENTS_FILE_ENV] = events.path
-    if warm:
-        extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
-        start_fork_server([*PRELOAD, *extra])  # after the environment above is final: the server's children inherit it
+    if warm:  # what the environment gained since the fork server started reaches every worker
+        spec.args = (json.dumps(environment_since_server_start()), *spec.args)
     agent = FaultTolerantAgent(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,

@@ -9,12 +9,13 @@ torch and nvrx_core) and runs the script in it exactly as `python [-m] target ar
 The fork server never initialises CUDA, so children are free to.
 """
 
+import json
 import multiprocessing
 import os
 import runpy
 import signal
 import sys
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
@@ -27,13 +28,69 @@ collects the worker's result. The worker process ends with os._exit (multiproces
 what is kept here is never destroyed at all."""
 
 
+_SERVER_ENV: List[Dict[str, str]] = []
+"""The environment the fork server started with (its children's, before torch adds each
+worker's own variables): multiprocessing keeps one fork server per process, so this is per
+process too."""
+
+
 def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
-    """Start the fork server now, so its imports overlap with rendezvous."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(preload))
+    """Start the fork server now (once per process), so its imports overlap with the launcher's."""
     from multiprocessing import forkserver
 
+    if _SERVER_ENV:
+        forkserver.ensure_running()  # restarts a server that died
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    _SERVER_ENV.append(dict(os.environ))
     forkserver.ensure_running()
+
+
+def start_early(argv: Sequence[str]) -> None:
+    """Start the fork server before ft_launcher imports torch, when its command line wants a
+    warm start: the server's imports (about 2 s) then run beside the launcher's instead of
+    after them. Only a clear "no" skips it (--no-warm-start, --no-python, help); the launcher
+    checks everything else and starts the server itself if this did not."""
+    preload = early_preload(argv)
+    if preload is not None:
+        start_fork_server(preload)
+
+
+def early_preload(argv: Sequence[str]) -> Optional[List[str]]:
+    """The fork server's preload list for this command line; None where it wants no warm start."""
+    if any(a in ("--no-warm-start", "--no-python", "--no_python", "-h", "--help") for a in argv):
+        return None
+    extra: List[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--warm-start-preload" and i + 1 < len(argv):
+            extra = argv[i + 1].split(",")
+        elif arg.startswith("--warm-start-preload="):
+            extra = arg.split("=", 1)[1].split(",")
+    return [*PRELOAD, *(m.strip() for m in extra if m.strip())]
+
+
+def environment_since_server_start() -> Dict[str, List[Optional[str]]]:
+    """Variables the launcher set or removed after the fork server started: name -> [the
+    server's value, the launcher's value] (None: unset). Workers apply them (run_target),
+    so a warm-started worker sees the environment a cold-started one would."""
+    return environment_changes(_SERVER_ENV[0], os.environ) if _SERVER_ENV else {}
+
+
+def environment_changes(before: Mapping[str, str], now: Mapping[str, str]) -> Dict[str, List[Optional[str]]]:
+    return {k: [before.get(k), now.get(k)] for k in set(before) | set(now) if before.get(k) != now.get(k)}
+
+
+def apply_launcher_environment(changes: Dict[str, List[Optional[str]]]) -> None:
+    """Apply environment_since_server_start() in a worker, except where torch already set a
+    variable for this worker (its value then differs from the server's)."""
+    for name, (server_value, launcher_value) in changes.items():
+        if os.environ.get(name) != server_value:
+            continue
+        if launcher_value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = launcher_value
 
 
 def split_python_command(cmd_args: List[str]) -> Tuple[str, List[str]]:
@@ -72,8 +129,11 @@ def become_like_a_fresh_interpreter() -> None:
         stream.reconfigure(line_buffering=True, write_through=True)
 
 
-def run_target(kind: str, target: str, *argv: str) -> None:
-    """Entry point of a warm-started worker: behave like `python -u [-m] target argv`."""
+def run_target(environment: str, kind: str, target: str, *argv: str) -> None:
+    """Entry point of a warm-started worker: behave like `python -u [-m] target argv`, in the
+    environment the launcher had when it started the workers (`environment`: JSON of
+    environment_since_server_start())."""
+    apply_launcher_environment(json.loads(environment))
     become_like_a_fresh_interpreter()
     try:
         if kind == "module":

@@ -1,0 +1,31 @@
+"""Warm start's environment hand-over and early start, as pure functions (the launches that
+depend on them are in test_ft_warm_start.py and every ft_launcher test)."""
+
+import os
+
+from nvrx_core.ft.warm_start import PRELOAD, apply_launcher_environment, early_preload, environment_changes
+
+
+def test_what_the_launcher_changed_after_the_server_started_is_found():
+    before = {"PATH": "/bin", "KEPT": "1", "DROPPED": "x", "CHANGED": "a"}
+    now = {"PATH": "/bin", "KEPT": "1", "CHANGED": "b", "ADDED": "socket"}
+    assert environment_changes(before, now) == {"DROPPED": ["x", None], "CHANGED": ["a", "b"],
+                                                "ADDED": [None, "socket"]}
+
+
+def test_a_worker_applies_the_changes_except_what_torch_set_for_it(monkeypatch):
+    monkeypatch.setenv("DROPPED", "x")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")      # torch set this worker's own value
+    monkeypatch.delenv("ADDED", raising=False)
+    apply_launcher_environment({"DROPPED": ["x", None], "ADDED": [None, "socket"], "OMP_NUM_THREADS": [None, "1"]})
+    assert "DROPPED" not in os.environ and os.environ["ADDED"] == "socket"
+    assert os.environ["OMP_NUM_THREADS"] == "4"
+
+
+def test_the_command_line_decides_the_early_start():
+    assert early_preload(["--nproc-per-node", "2", "train.py"]) == list(PRELOAD)
+    assert early_preload(["--warm-start-preload", "lightning.pytorch, nvrx_lightning", "t.py"]) == \
+        [*PRELOAD, "lightning.pytorch", "nvrx_lightning"]
+    assert early_preload(["--warm-start-preload=a,b", "t.py"]) == [*PRELOAD, "a", "b"]
+    for no in (["--no-warm-start", "t.py"], ["--no-python", "run.sh"], ["--help"]):
+        assert early_preload(no) is None
