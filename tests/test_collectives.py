@@ -79,16 +79,12 @@ def _exercise_late_release(coll, rank, hold_s=0.3):
     their Python objects are freed on the caller's thread, never on the backend's."""
     from torch.distributed import distributed_c10d
 
-    handed = []     # (weakref to a tensor given to the backend, event set once it let go)
+    handed = []     # (weakref to a tensor given to the backend, the backend's reference: emptied as it lets go)
 
     def hold(tensor):
-        released, held = threading.Event(), [tensor.view(-1)]    # a view references its base
-        handed.append((weakref.ref(tensor), released))
-
-        def let_go():
-            held.clear()
-            released.set()
-        threading.Timer(hold_s, let_go).start()
+        held = [tensor.view(-1)]    # a view references its base
+        handed.append((weakref.ref(tensor), held))
+        threading.Timer(hold_s, held.clear).start()
 
     def holding(name):
         op = getattr(distributed_c10d, name)
@@ -119,7 +115,7 @@ def _exercise_late_release(coll, rank, hold_s=0.3):
             run()
             mine = handed[start:]
             outcomes[name] = {"handed": len(mine),
-                              "returned_after_backend_let_go": all(e.is_set() for _, e in mine),
+                              "returned_after_backend_let_go": all(not held for _, held in mine),
                               "not_held_after_return": all(ref() is None for ref, _ in mine)}
     finally:
         for name, op in originals.items():
