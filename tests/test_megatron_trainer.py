@@ -25,7 +25,8 @@ def test_a_simulated_fault_ends_in_a_finished_job_with_the_fault_free_weights(tm
     if mode == "heartbeats":
         assert reasons <= {"heartbeat timeout"}
     else:
-        assert reasons <= {"section 'step' timeout", "out-of-section timeout"}
+        # SIGSTOP lands wherever rank 1 is: in a step, between steps, or in a checkpoint save
+        assert reasons <= {"section 'step' timeout", "section 'checkpointing' timeout", "out-of-section timeout"}
 
 
 def test_a_transient_loss_spike_is_re_run_and_training_goes_on_to_the_fault_free_weights(tmp_path, weights):
