@@ -92,7 +92,7 @@ def test_a_custom_converter_replaces_the_hydra_overrides(tmp_path):
     assert task.args[-1] == "--ft=True"                           # Bridge: nothing when the handler is off
 
 
-def test_the_ft_config_file_carries_what_nemo_runs_command_line_cannot(tmp_path):
+def test_the_ft_config_file_carries_what_nemo_runs_command_line_cannot(tmp_path, monkeypatch):
     executor = _executor(tmp_path)
     plugin = FaultTolerancePlugin(initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None,
                                   rank_section_timeouts={"setup": 600, "step": 60, "checkpointing": 120},
@@ -104,11 +104,8 @@ def test_the_ft_config_file_carries_what_nemo_runs_command_line_cannot(tmp_path)
         "rank_section_timeouts": {"setup": 600, "step": 60, "checkpointing": 120},
         "rank_out_of_section_timeout": 60, "workload_check_interval": 2}
     # ft_launcher reads it: heartbeats off (NeMo-Run would have dropped the None), sections on
-    os.environ["FAULT_TOL_CFG_PATH"] = path
-    try:
-        cfg = load_ft_config(build_parser().parse_args(["train.py"]))
-    finally:
-        del os.environ["FAULT_TOL_CFG_PATH"]
+    monkeypatch.setenv("FAULT_TOL_CFG_PATH", path)
+    cfg = load_ft_config(build_parser().parse_args(["train.py"]))
     assert cfg.rank_heartbeat_timeout is None and cfg.initial_rank_heartbeat_timeout is None
     assert cfg.rank_section_timeouts == {"setup": 600, "step": 60, "checkpointing": 120}
     assert cfg.rank_out_of_section_timeout == 60
@@ -231,7 +228,8 @@ def test_importable_without_nemo_run_and_setup_names_the_extra():
 
 def test_a_slurm_dry_run_writes_an_sbatch_script_our_launcher_accepts(tmp_path, monkeypatch):
     # nemo_run packages through invoke, which mirrors stdin: pytest's captured stdin refuses reads
-    monkeypatch.setattr(sys, "stdin", open(os.devnull))
+    stdin = (tmp_path / "stdin").open("w+")
+    monkeypatch.setattr(sys, "stdin", stdin)
     executor = run.SlurmExecutor(account="acct", partition="gpu", nodes=1, ntasks_per_node=2, time="01:00:00",
                                  tunnel=run.LocalTunnel(job_dir=str(tmp_path / "cluster")), packager=run.Packager())
     task = run.Script(path="/opt/train.py", args=["--save", "/ckpt"])
@@ -254,11 +252,8 @@ def test_a_slurm_dry_run_writes_an_sbatch_script_our_launcher_accepts(tmp_path, 
     assert args.max_restarts == 3 and args.nproc_per_node == "2"
     assert args.training_script == "/opt/train.py"
     assert args.training_script_args == ["--save", "/ckpt", *BRIDGE_FT_ARGS, *BRIDGE_PREEMPTION_ARGS]
-    os.environ["FAULT_TOL_CFG_PATH"] = cfg_path
-    try:
-        cfg = load_ft_config(args)
-    finally:
-        del os.environ["FAULT_TOL_CFG_PATH"]
+    monkeypatch.setenv("FAULT_TOL_CFG_PATH", cfg_path)
+    cfg = load_ft_config(args)
     assert (cfg.initial_rank_heartbeat_timeout, cfg.rank_heartbeat_timeout) == (1800, 300)
     assert cfg.rank_section_timeouts["step"] == 60
 
