@@ -7,6 +7,7 @@ import pytest
 from launcher_util import SCRIPTS, kinds, run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
+from nvrx_core.ft import launcher
 from nvrx_core.ft.incidents import summarize
 
 pytestmark = pytest.mark.timeout(240)
@@ -170,24 +171,36 @@ def test_finished_flag_honoured_and_written(tmp_path):
     (["BADYAML"], "not valid YAML"),
     (["BADFIELD"], "unknown field 'rank_heartbeat_timout'"),
 ])
-def test_bad_config_fails_before_any_worker_starts(tmp_path, flags, expected):
+def test_bad_config_fails_before_any_worker_starts(tmp_path, capsys, monkeypatch, flags, expected):
+    monkeypatch.delenv("FAULT_TOL_FINISHED_FLAG_FILE", raising=False)
     if flags == ["BADYAML"]:
         (tmp_path / "bad.yaml").write_text("fault_tolerance:\n  rank_heartbeat_timeout: [1,\n")
         flags = ["--ft-cfg-path", str(tmp_path / "bad.yaml")]
     elif flags == ["BADFIELD"]:
         (tmp_path / "typo.yaml").write_text("fault_tolerance:\n  rank_heartbeat_timout: 10\n")
         flags = ["--ft-cfg-path", str(tmp_path / "typo.yaml")]
+    # The launcher's own main, in this process: a bad value must end it before anything starts
+    # (test_a_bad_config_ends_the_command_before_any_worker_starts runs the whole command once).
     marker = tmp_path / "starts"
-    result = run_launcher(["--nproc-per-node", "2", *flags, FAIL_JOB, "--exit-code", "0", "--marker", str(marker)])
-    assert result.returncode == ExitCode.CONFIG_ERROR, result.stdout[-3000:]
-    assert expected in result.stdout
+    code = launcher.main(["--nproc-per-node", "2", *flags, FAIL_JOB, "--exit-code", "0", "--marker", str(marker)])
+    assert code == ExitCode.CONFIG_ERROR
+    assert expected in capsys.readouterr().err
     assert not marker.exists()
 
 
-def test_missing_training_script_is_a_config_error(tmp_path):
-    result = run_launcher(["--nproc-per-node", "2", str(tmp_path / "nope.py")])
-    assert result.returncode == ExitCode.CONFIG_ERROR
-    assert "does not exist" in result.stdout
+def test_a_bad_config_ends_the_command_before_any_worker_starts(tmp_path):
+    (tmp_path / "typo.yaml").write_text("fault_tolerance:\n  rank_heartbeat_timout: 10\n")
+    marker = tmp_path / "starts"
+    result = run_launcher(["--nproc-per-node", "2", "--ft-cfg-path", str(tmp_path / "typo.yaml"),
+                           FAIL_JOB, "--exit-code", "0", "--marker", str(marker)])
+    assert result.returncode == ExitCode.CONFIG_ERROR, result.stdout[-3000:]
+    assert "unknown field 'rank_heartbeat_timout'" in result.stdout
+    assert not marker.exists()
+
+
+def test_missing_training_script_is_a_config_error(tmp_path, capsys):
+    assert launcher.main(["--nproc-per-node", "2", str(tmp_path / "nope.py")]) == ExitCode.CONFIG_ERROR
+    assert "nope.py' does not exist" in capsys.readouterr().err
 
 
 def test_plain_ddp_example_runs_under_ft_launcher(tmp_path):

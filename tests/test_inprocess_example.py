@@ -29,9 +29,10 @@ def test_example_survives_exception_hang_and_kill_in_process(tmp_path):
     assert "exit codes [-9, 0, 0, 0]" in out and "OK: training survived" in out
     finished = checksums(out)
     assert sorted(r for r, _ in finished) == ["1", "2", "3"] and len({c for _, c in finished}) == 1
-    # the reserve took the killed rank 0's place (on failure: the whole timeline, to see why)
-    assert "[rank 3] iteration 3: rank 0/3" in out, "\n".join(
-        line for line in out.splitlines() if "iteration" in line or "terminated" in line)
+    # the reserve took the killed rank 0's place, in a world of 3. Under load a restart may itself be
+    # interrupted (a soft timeout during process-group setup), so the iteration it happens in is not fixed.
+    timeline = "\n".join(line for line in out.splitlines() if "iteration" in line or "terminated" in line)
+    assert re.search(r"\[rank 3\] iteration \d+: rank 0/3", out), timeline
     events = read_events(str(tmp_path / "events.jsonl"))
     causes = {e["cause"] for e in events if e["kind"] == "inprocess_interrupted"}
     assert {"exception", "soft_timeout"} <= causes

@@ -104,7 +104,7 @@ def run_trials(tmp_path, mode, trials, timeout, config=None):
 
 @pytest.mark.timeout(300)
 def test_interrupt_timed_at_the_return_never_escapes_the_wrapper(tmp_path):
-    outcomes, run = run_trials(tmp_path, "interrupt_at_return", trials=24, timeout=280,
+    outcomes, run = run_trials(tmp_path, "interrupt_at_return", trials=16, timeout=280,
                                config={"interrupt_signal": "SIGALRM"})
     endings = {tuple(o[1]) for o in outcomes}
     assert endings <= {(0,), (0, 1)}, endings
@@ -113,7 +113,7 @@ def test_interrupt_timed_at_the_return_never_escapes_the_wrapper(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_peer_fault_at_the_return_restarts_every_rank(tmp_path):
-    outcomes, run = run_trials(tmp_path, "peer_fault_at_return", trials=15, timeout=280)
+    outcomes, run = run_trials(tmp_path, "peer_fault_at_return", trials=10, timeout=280)
     assert all(o == ["completed", [0, 1]] for o in outcomes), outcomes
 
 
