@@ -44,6 +44,9 @@ STEP_DONE = "step_done"
 FIRST_PROGRESS = "first_progress"  # the node monitor saw a cycle's first heartbeat / section end
 FAULT_INJECTED = "fault_injected"
 MONITOR_RESTARTED = "monitor_restarted"  # ft_launcher restarted a node monitor that died
+NODE_LOST = "node_lost"  # a node's agent stopped its rendezvous heartbeat; its slot is free
+SPARE_WAITING = "spare_waiting"  # a node found the round full and waits as a hot spare
+SPARE_ACTIVATED = "spare_activated"  # a spare took the slot (group rank) of a lost node
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -1,0 +1,394 @@
+"""Barrier rendezvous: rounds on the c10d TCPStore, hot spare nodes, ranks that stay put.
+
+torch's c10d handler keeps one state blob that every node rewrites by compare-and-set, so
+a round costs more than linearly in the node count, and it hands out group ranks afresh
+in each round. Here a node arrives with one atomic add in a key namespace of its own
+round; the round's first arrival (its leader) decides the round once, from the arrivals
+(`rendezvous_round.plan_round`), and everyone reads that one result. Nodes beyond
+--nnodes' maximum wait as hot spares in the next round; a spare takes exactly the slot of
+a node that was lost, so every surviving node keeps its group rank.
+
+A node is lost when its heartbeat (a counter each agent bumps in the store: no clocks need
+agree) stops changing for `node_timeout` seconds. During training each node watches the
+next two nodes of the round; a node it finds lost is written to the round, every node sees
+that within a heartbeat and restarts its workers (torch's agent restarts when
+`num_nodes_waiting()` is positive), and the next round gives the slot to a spare.
+
+Selected with `--rdzv-backend nvrx`; ft_launcher also uses it for `c10d` unless
+`--ft-rdzv-impl legacy`. Options come through --rdzv-conf: join_timeout, last_call_timeout,
+heartbeat_interval, node_timeout. The store lives in the agent whose host matches the
+endpoint, as with torch's c10d backend: losing that node ends the job.
+"""
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable, Dict, List, Optional
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousGracefulExitError,
+                                                  RendezvousHandler, RendezvousInfo, RendezvousParameters,
+                                                  RendezvousTimeoutError)
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+from nvrx_core import events as ev
+from nvrx_core.config import ConfigError, check
+from nvrx_core.ft.rendezvous_round import Arrival, RendezvousConflictError, RoundResult, plan_round
+
+logger = logging.getLogger("nvrx.ft.rendezvous")
+
+BACKEND = "nvrx"
+_FINISHED = "finished"
+_WATCHED_PEERS = 2
+
+
+@dataclasses.dataclass
+class BarrierSettings:
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    infra_rank: Optional[int] = None  # set when ranks follow the scheduler's (--ft-use-infra-group-rank)
+    local_addr: Optional[str] = None
+    join_timeout: float = 600.0  # a round short of nodes (and no spare coming) fails after this
+    last_call_timeout: float = 30.0  # first round: wait this long past the minimum for more nodes
+    heartbeat_interval: float = 1.0
+    node_timeout: float = 4.0  # a heartbeat unchanged this long: the node is lost
+
+    def __post_init__(self):
+        check(0 < self.min_nodes <= self.max_nodes, "--nnodes", f"{self.min_nodes}:{self.max_nodes}",
+              "need 0 < min <= max")
+        check(self.infra_rank is None or self.infra_rank >= 0, "infra group rank", self.infra_rank, "must be >= 0")
+        for name in ("join_timeout", "last_call_timeout", "heartbeat_interval", "node_timeout"):
+            check(getattr(self, name) > 0, f"--rdzv-conf {name}", getattr(self, name), "must be > 0 seconds")
+        check(self.node_timeout >= 2 * self.heartbeat_interval, "--rdzv-conf node_timeout", self.node_timeout,
+              f"must be at least twice heartbeat_interval ({self.heartbeat_interval})")
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> "BarrierSettings":
+        def seconds(name: str) -> float:
+            value = params.get(name, getattr(cls, name))
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"--rdzv-conf {name}={value!r}: expected seconds") from None
+
+        infra = params.get("infra_group_rank")
+        return cls(run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+                   infra_rank=None if infra is None else int(infra), local_addr=params.local_addr,
+                   **{name: seconds(name) for name in ("join_timeout", "last_call_timeout",
+                                                       "heartbeat_interval", "node_timeout")})
+
+
+class Liveness:
+    """Tells a lost node from a live one by whether its heartbeat counter moves."""
+
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic):
+        self.timeout = timeout
+        self.clock = clock
+        self._seen: Dict[str, tuple] = {}  # node -> (counter, when it last changed)
+
+    def observe(self, counters: Dict[str, int]) -> None:
+        now = self.clock()
+        for node, value in counters.items():
+            last = self._seen.get(node)
+            if last is None or last[0] != value:
+                self._seen[node] = (value, now)
+
+    def lost(self, node: str) -> bool:
+        last = self._seen.get(node)
+        return last is not None and self.clock() - last[1] > self.timeout
+
+
+class BarrierRendezvousHandler(RendezvousHandler):
+    def __init__(self, store: Store, settings: BarrierSettings):
+        self.settings = settings
+        self.node = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.events: Optional[ev.EventLog] = None  # set by the launcher
+        self._store = PrefixStore(f"nvrx_rdzv/{settings.run_id}/", store)
+        self._current: Optional[RoundResult] = None
+        self._lost_in_round: Optional[int] = None  # the round in which a node was found lost
+        self._stop = threading.Event()
+        self._pulse: Optional[threading.Thread] = None
+
+    # ---- RendezvousHandler ---------------------------------------------------------------
+    def get_backend(self) -> str:
+        return BACKEND
+
+    def get_run_id(self) -> str:
+        return self.settings.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    def is_closed(self) -> bool:
+        return self._store.check(["closed"])
+
+    def set_closed(self) -> None:
+        self._store.set("closed", "closed")
+
+    def finish(self) -> None:
+        """The job succeeded: waiting spares exit 0 instead of failing."""
+        self._store.set("closed", _FINISHED)
+
+    def shutdown(self) -> bool:
+        self._stop.set()
+        try:
+            if not self.is_closed():
+                self.set_closed()
+        except Exception as e:  # the store's host may be gone already
+            logger.warning("could not close the rendezvous: %s", e)
+        return True
+
+    def last_round(self) -> Optional[RoundResult]:
+        return self._current
+
+    def num_nodes_waiting(self) -> int:
+        """Positive when the workers should restart: a node of this round was lost, or the world
+        is below its maximum and nodes wait to join."""
+        current = self._current
+        if current is None:
+            return 0
+        if self._lost_in_round == current.round:
+            return 1
+        if current.world_size >= self.settings.max_nodes:
+            return 0
+        return self._store.add(f"{current.round + 1}/arrived", 0)
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._start_pulse()
+        round_number = self._current.round + 1 if self._current else self._open_round()
+        while True:
+            index = self._arrive(round_number)
+            result = self._await_result(round_number, index)
+            if self.node in result.slots.values():
+                return self._joined(result)
+            self._emit(ev.SPARE_WAITING, round=round_number, participants=result.world_size)
+            logger.info("round %d is full; waiting as a spare in round %d", round_number, round_number + 1)
+            round_number += 1
+
+    # ---- rounds ------------------------------------------------------------------------
+    def _open_round(self) -> int:
+        """A node that was in no round yet joins the newest open round."""
+        latest = self._store.add("latest", 0)
+        if latest == 0:
+            return 1
+        return latest + 1 if self._store.check([f"{latest}/result"]) else latest
+
+    def _arrive(self, round_number: int) -> int:
+        index = self._store.add(f"{round_number}/arrived", 1)
+        self._store.set(f"{round_number}/node/{index}",
+                        Arrival(self.node, self.settings.infra_rank).to_json())
+        if index == 1:
+            self._store.compare_set(f"{round_number}/leader", "", self.node)
+        latest = self._store.add("latest", 0)
+        while latest < round_number:  # others' next round is this one
+            seen = self._store.compare_set("latest", str(latest), str(round_number)).decode()
+            latest = int(seen) if seen else 0
+        return index
+
+    def _await_result(self, round_number: int, index: int) -> RoundResult:
+        key = f"{round_number}/result"
+        decider = _RoundDecider(self, round_number)
+        poll, last_slow_check = 0.02, 0.0
+        while True:
+            if self._store.check([key]):
+                return self._read_result(key)
+            now = time.monotonic()
+            if now - last_slow_check > self.settings.heartbeat_interval:
+                last_slow_check = now
+                self._check_closed()
+                decider.take_over_if_leader_lost()
+            if decider.leads():
+                decision = decider.decide()
+                if decision is not None:
+                    self._store.compare_set(key, "", decision)
+                    continue
+            time.sleep(poll)
+            poll = min(poll * 1.5, 0.2)
+
+    def _read_result(self, key: str) -> RoundResult:
+        text = self._store.get(key).decode()
+        if text.startswith("error:"):
+            message = text[len("error:"):]
+            if message.startswith("timeout:"):
+                raise RendezvousTimeoutError(message[len("timeout:"):])
+            raise RendezvousConflictError(message)
+        return RoundResult.from_json(text)
+
+    def _check_closed(self) -> None:
+        if not self._store.check(["closed"]):
+            return
+        if self._store.get("closed").decode() == _FINISHED:
+            raise RendezvousGracefulExitError("the job finished while this node waited")
+        raise RendezvousClosedError(f"rendezvous {self.settings.run_id!r} was closed")
+
+    def _joined(self, result: RoundResult) -> RendezvousInfo:
+        self._current = result
+        rank = result.group_rank(self.node)
+        if self.node in result.activated:
+            self._emit(ev.SPARE_ACTIVATED, round=result.round, group_rank=rank, replaced=result.lost)
+        if rank == 0:  # one record per lost node, from the new round's first node
+            for node in result.lost:
+                self._emit(ev.NODE_LOST, round=result.round, node=node)
+        round_store = PrefixStore(f"{result.round}/store/", self._store)
+        bootstrap = RendezvousStoreInfo.build(rank, round_store, self.settings.local_addr)
+        logger.info("round %d: group rank %d of %d%s", result.round, rank, result.world_size,
+                    f" (replacing {', '.join(result.lost)})" if self.node in result.activated else "")
+        return RendezvousInfo(round_store, rank, result.world_size, bootstrap)
+
+    def _emit(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.emit(kind, node=fields.pop("node", self.node), **fields)
+
+    # ---- heartbeat and watching -------------------------------------------------------------
+    def _start_pulse(self) -> None:
+        if self._pulse is None:
+            self._store.add(f"hb/{self.node}", 1)
+            self._pulse = threading.Thread(target=self._beat, name="nvrx-rdzv-heartbeat", daemon=True)
+            self._pulse.start()
+
+    def _beat(self) -> None:
+        liveness = Liveness(self.settings.node_timeout)
+        while not self._stop.wait(self.settings.heartbeat_interval):
+            try:
+                self._store.add(f"hb/{self.node}", 1)
+                self._watch(liveness)
+            except Exception as e:  # the store's host is gone: the agent's own calls will fail and say so
+                logger.debug("rendezvous heartbeat failed: %s", e)
+
+    def _watch(self, liveness: Liveness) -> None:
+        current = self._current
+        if current is None or self._lost_in_round == current.round:
+            return
+        if self._store.add(f"{current.round}/lost/count", 0) > 0:
+            self._lost_in_round = current.round
+            return
+        peers = _watched_peers(current.nodes(), self.node)
+        if not peers:
+            return
+        liveness.observe(dict(zip(peers, _counters(self._store, peers))))
+        for peer in peers:
+            if liveness.lost(peer):
+                logger.warning("node %s stopped its heartbeat for %.1f s: lost", peer, self.settings.node_timeout)
+                count = self._store.add(f"{current.round}/lost/count", 1)
+                self._store.set(f"{current.round}/lost/{count}", peer)
+                self._lost_in_round = current.round
+                return
+
+
+class _RoundDecider:
+    """The leader's side of one round: gathers arrivals and liveness, asks plan_round."""
+
+    def __init__(self, handler: BarrierRendezvousHandler, round_number: int):
+        self.h = handler
+        self.store = handler._store
+        self.round = round_number
+        self.arrivals: List[Arrival] = []
+        self.liveness = Liveness(handler.settings.node_timeout)
+        self.previous: Optional[RoundResult] = None
+        self.previous_read = False
+        self.opened = time.monotonic()
+        self.short_since: Optional[float] = None
+        self.leading = False  # once this node leads a round it stays the leader
+
+    def leads(self) -> bool:
+        if not self.leading:
+            key = f"{self.round}/leader"
+            self.leading = self.store.check([key]) and self.store.get(key).decode() == self.h.node
+        return self.leading
+
+    def take_over_if_leader_lost(self) -> None:
+        key = f"{self.round}/leader"
+        leader = self.store.get(key).decode() if self.store.check([key]) else ""
+        if leader == self.h.node:
+            return
+        if leader:
+            self.liveness.observe({leader: _counters(self.store, [leader])[0]})
+            if not self.liveness.lost(leader):
+                return
+        elif time.monotonic() - self.opened < self.h.settings.node_timeout:
+            return
+        if self.store.compare_set(key, leader, self.h.node).decode() == self.h.node:
+            logger.warning("round %d: leader %s lost; %s decides the round", self.round, leader or "-", self.h.node)
+
+    def decide(self) -> Optional[str]:
+        settings = self.h.settings
+        self._read_new_arrivals()
+        previous = self._previous()
+        lost = set(self._marked_lost())
+        if previous:
+            here = {a.node for a in self.arrivals}
+            pending = [n for n in previous.nodes() if n not in here and n not in lost]
+            if pending:
+                self.liveness.observe(dict(zip(pending, _counters(self.store, pending))))
+                lost.update(n for n in pending if self.liveness.lost(n))
+        now = time.monotonic()
+        arrived = [a for a in self.arrivals if not self.liveness.lost(a.node)]  # e.g. a leader that died
+        try:
+            result = plan_round(self.round, arrived, previous, lost, settings.min_nodes, settings.max_nodes,
+                                last_call_passed=now - self.opened > settings.last_call_timeout,
+                                use_infra_rank=settings.infra_rank is not None)
+        except RendezvousConflictError as e:
+            return f"error:{e}"
+        if result is not None:
+            return result.to_json()
+        waiting_on_live_nodes = previous is not None and any(
+            n not in lost and n not in {a.node for a in arrived} for n in previous.nodes())
+        self.short_since = None if waiting_on_live_nodes else (self.short_since or now)
+        if self.short_since is not None and now - self.short_since > settings.join_timeout:
+            return (f"error:timeout:round {self.round}: {len(arrived)} node(s) arrived, "
+                    f"{settings.min_nodes} needed, none more within join_timeout={settings.join_timeout:g} s")
+        return None
+
+    def _read_new_arrivals(self) -> None:
+        count = self.store.add(f"{self.round}/arrived", 0)
+        known = len(self.arrivals)
+        if count > known:
+            keys = [f"{self.round}/node/{i}" for i in range(known + 1, count + 1)]
+            for i, raw in enumerate(self.store.multi_get(keys), start=known + 1):
+                self.arrivals.append(Arrival.from_json(raw.decode(), i))
+
+    def _previous(self) -> Optional[RoundResult]:
+        if not self.previous_read and self.round > 1:
+            key = f"{self.round - 1}/result"
+            if self.store.check([key]):
+                text = self.store.get(key).decode()
+                self.previous = None if text.startswith("error:") else RoundResult.from_json(text)
+                self.previous_read = True
+        return self.previous
+
+    def _marked_lost(self) -> List[str]:
+        if self.round == 1:
+            return []
+        count = self.store.add(f"{self.round - 1}/lost/count", 0)
+        keys = [f"{self.round - 1}/lost/{i}" for i in range(1, count + 1)]
+        return [raw.decode() for raw in self.store.multi_get(keys)] if keys else []
+
+
+def _watched_peers(nodes: List[str], me: str) -> List[str]:
+    if me not in nodes:
+        return []
+    at = nodes.index(me)
+    return list(dict.fromkeys(nodes[(at + k) % len(nodes)] for k in range(1, _WATCHED_PEERS + 1)
+                              if nodes[(at + k) % len(nodes)] != me))
+
+
+def _counters(store: Store, nodes: List[str]) -> List[int]:
+    return [int(raw.decode() or 0) for raw in store.multi_get([f"hb/{n}" for n in nodes])]
+
+
+def create_handler(params: RendezvousParameters) -> BarrierRendezvousHandler:
+    settings = BarrierSettings.from_params(params)
+    _, store = create_backend(params)
+    return BarrierRendezvousHandler(store, settings)
+
+
+def register() -> None:
+    """Make `--rdzv-backend nvrx` known to torch's handler registry (idempotent)."""
+    rendezvous_handler_registry.register(BACKEND, create_handler)
