@@ -19,7 +19,7 @@ from typing import List, Optional
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -30,7 +30,9 @@ from nvrx_core.ft import finished
 from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
+from nvrx_core.ft import rendezvous as barrier
 from nvrx_core.ft.monitor_handle import MonitorHandle
+from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
                                      start_fork_server)
 from nvrx_core.torch_compat import torchrun_cli
@@ -40,6 +42,8 @@ logger = logging.getLogger("nvrx.ft.launcher")
 get_args_parser, config_from_args, parse_min_max_nnodes = torchrun_cli()
 
 RESTART_POLICIES = ("any-failed", "min-healthy")
+RDZV_IMPLS = ("barrier", "legacy")
+INFRA_RANK_SOURCES = ("SLURM_PROCID", "GROUP_RANK")
 
 
 def _ft_fields() -> List[str]:
@@ -62,6 +66,13 @@ def build_parser():
     group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
                        dest="ft_restart_policy", default="any-failed", choices=RESTART_POLICIES,
                        help="any-failed: restart every worker when any fails (the only policy on one node)")
+    group.add_argument("--ft-rdzv-impl", "--ft-rdzv_impl", dest="ft_rdzv_impl", default="barrier", choices=RDZV_IMPLS,
+                       help="barrier: --rdzv-backend c10d runs nvrx-suite's barrier rendezvous on the c10d store "
+                       "(hot spares, ranks kept across restarts); legacy: torch's own c10d rendezvous")
+    group.add_argument("--ft-use-infra-group-rank", "--ft-use_infra_group_rank", "--ft_use_infra_group_rank",
+                       dest="ft_use_infra_group_rank", type=_flag_value, nargs="?", const=True, default=False,
+                       metavar="BOOL", help="group ranks follow the scheduler's: $SLURM_PROCID, else $GROUP_RANK, "
+                       "else --node-rank; a spare inherits the lost node's rank")
     group.add_argument("--workers-stop-timeout", "--workers_stop_timeout", type=float, default=15.0,
                        help="seconds to wait for workers to exit after SIGTERM before SIGKILL")
     group.add_argument("--max-no-progress-restarts", "--max_no_progress_restarts", type=int, default=3,
@@ -77,6 +88,15 @@ def build_parser():
     group.add_argument("--events-file", default=os.environ.get(ev.EVENTS_FILE_ENV),
                        help=f"JSON-lines incident log shared with the workers (also ${ev.EVENTS_FILE_ENV})")
     return parser
+
+
+def _flag_value(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
 
 
 def _ft_flag_help(name: str) -> str:
@@ -150,14 +170,35 @@ def check_args(args) -> AgentSettings:
     )
 
 
+def infra_group_rank(args) -> int:
+    """The scheduler's rank for this node: $SLURM_PROCID, else $GROUP_RANK, else --node-rank."""
+    for name in INFRA_RANK_SOURCES:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                rank = int(value)
+            except ValueError:
+                rank = -1
+            check(rank >= 0, f"${name}", value, "must be a rank >= 0 (--ft-use-infra-group-rank)")
+            return rank
+    return args.node_rank
+
+
 def resolve_rendezvous(args) -> None:
-    """torchrun's rule: a single node without an endpoint gets a private c10d store on a free port."""
+    """torchrun's rule: a single node without an endpoint gets a private c10d store on a free port.
+    c10d means the barrier rendezvous unless --ft-rdzv-impl legacy."""
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
     single_node_default = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
     if args.standalone or (single_node_default and max_nodes == 1):
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    if args.rdzv_backend == "c10d" and args.ft_rdzv_impl == "barrier":
+        args.rdzv_backend = barrier.BACKEND
+    if args.ft_use_infra_group_rank:
+        check(args.rdzv_backend == barrier.BACKEND, "--ft-use-infra-group-rank", True,
+              "needs the barrier rendezvous (--rdzv-backend c10d or nvrx, not with --ft-rdzv-impl legacy)")
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"infra_group_rank={infra_group_rank(args)}"]))
 
 
 def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
@@ -184,7 +225,11 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     master_addr = master_port = None
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
-    handler = AgentStoreRendezvous(rdzv_registry.get_rendezvous_handler(params))
+    barrier.register()
+    inner = rdzv_registry.get_rendezvous_handler(params)
+    if isinstance(inner, barrier.BarrierRendezvousHandler):
+        inner.events = events
+    handler = AgentStoreRendezvous(inner)
     spec = WorkerSpec(
         role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
         args=tuple(entrypoint_args), rdzv_handler=handler, max_restarts=config.max_restarts,
@@ -209,6 +254,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
             return ExitCode.SUCCESS
         if not result.is_failed():
             events.emit(ev.TRAINING_FINISHED, cycle=agent.attempt)
+            handler.finish()
             return ExitCode.SUCCESS
         failures = {rank: f.exitcode for rank, f in result.failures.items()}
         logger.error("workers failed with %s and no restart is left", failures)
@@ -216,6 +262,12 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     except LauncherStop as stop:
         logger.error("%s", stop)
         return stop.exit_code
+    except RendezvousConflictError as e:
+        logger.error("the rendezvous refused this node: %s", e)
+        return ExitCode.CONFIG_ERROR
+    except RendezvousError as e:
+        logger.error("rendezvous failed: %s", e)
+        return ExitCode.FAILURE
     except SignalException as e:
         shutdown_rdzv = False  # other nodes may still rendezvous on this run id
         logger.warning("launcher received %s; workers stopped", e.sigval.name)

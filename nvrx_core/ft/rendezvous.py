@@ -32,19 +32,19 @@ from typing import Callable, Dict, List, Optional
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousGracefulExitError,
                                                   RendezvousHandler, RendezvousInfo, RendezvousParameters,
-                                                  RendezvousTimeoutError)
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, rendezvous_handler_registry
+                                                  RendezvousStoreInfo, RendezvousTimeoutError,
+                                                  rendezvous_handler_registry)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError, check
-from nvrx_core.ft.rendezvous_round import Arrival, RendezvousConflictError, RoundResult, plan_round
+from nvrx_core.ft.rendezvous_round import (Arrival, Membership, RendezvousConflictError, RoundResult, membership,
+                                           plan_round)
 
 logger = logging.getLogger("nvrx.ft.rendezvous")
 
 BACKEND = "nvrx"
 _FINISHED = "finished"
-_WATCHED_PEERS = 2
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self.node = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.events: Optional[ev.EventLog] = None  # set by the launcher
         self._store = PrefixStore(f"nvrx_rdzv/{settings.run_id}/", store)
-        self._current: Optional[RoundResult] = None
+        self._current: Optional[Membership] = None
         self._lost_in_round: Optional[int] = None  # the round in which a node was found lost
         self._stop = threading.Event()
         self._pulse: Optional[threading.Thread] = None
@@ -146,7 +146,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return True
 
     def last_round(self) -> Optional[RoundResult]:
-        return self._current
+        """The whole result of the last round this node joined (read from the store)."""
+        if self._current is None:
+            return None
+        return RoundResult.from_json(self._store.get(f"{self._current.round}/result").decode())
 
     def num_nodes_waiting(self) -> int:
         """Positive when the workers should restart: a node of this round was lost, or the world
@@ -165,10 +168,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
         round_number = self._current.round + 1 if self._current else self._open_round()
         while True:
             index = self._arrive(round_number)
-            result = self._await_result(round_number, index)
-            if self.node in result.slots.values():
-                return self._joined(result)
-            self._emit(ev.SPARE_WAITING, round=round_number, participants=result.world_size)
+            place = self._await_membership(round_number, index)
+            if place.group_rank is not None:
+                return self._joined(place)
+            self._emit(ev.SPARE_WAITING, round=round_number, participants=place.world_size)
             logger.info("round %d is full; waiting as a spare in round %d", round_number, round_number + 1)
             round_number += 1
 
@@ -184,7 +187,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         index = self._store.add(f"{round_number}/arrived", 1)
         self._store.set(f"{round_number}/node/{index}",
                         Arrival(self.node, self.settings.infra_rank).to_json())
-        if index == 1:
+        if index == 1:  # the round's leader, unless it is lost before deciding (see _RoundDecider)
             self._store.compare_set(f"{round_number}/leader", "", self.node)
         latest = self._store.add("latest", 0)
         while latest < round_number:  # others' next round is this one
@@ -192,34 +195,27 @@ class BarrierRendezvousHandler(RendezvousHandler):
             latest = int(seen) if seen else 0
         return index
 
-    def _await_result(self, round_number: int, index: int) -> RoundResult:
-        key = f"{round_number}/result"
-        decider = _RoundDecider(self, round_number)
+    def _await_membership(self, round_number: int, index: int) -> Membership:
+        """Wait for this arrival's own small assignment; the whole result is read only by a node
+        that arrived after the decision (or whose leader died between writing the two)."""
+        mine, result_key = f"{round_number}/assign/{index}", f"{round_number}/result"
+        decider = _RoundDecider(self, round_number, leading=index == 1)
         poll, last_slow_check = 0.02, 0.0
         while True:
-            if self._store.check([key]):
-                return self._read_result(key)
+            if self._store.check([mine]):
+                return _parse(self._store.get(mine).decode(), Membership.from_json)
             now = time.monotonic()
             if now - last_slow_check > self.settings.heartbeat_interval:
                 last_slow_check = now
                 self._check_closed()
+                if self._store.check([result_key]):
+                    result = _parse(self._store.get(result_key).decode(), RoundResult.from_json)
+                    return membership(result, self.node)
                 decider.take_over_if_leader_lost()
-            if decider.leads():
-                decision = decider.decide()
-                if decision is not None:
-                    self._store.compare_set(key, "", decision)
-                    continue
+            if decider.leading and decider.decide_and_assign():
+                continue
             time.sleep(poll)
             poll = min(poll * 1.5, 0.2)
-
-    def _read_result(self, key: str) -> RoundResult:
-        text = self._store.get(key).decode()
-        if text.startswith("error:"):
-            message = text[len("error:"):]
-            if message.startswith("timeout:"):
-                raise RendezvousTimeoutError(message[len("timeout:"):])
-            raise RendezvousConflictError(message)
-        return RoundResult.from_json(text)
 
     def _check_closed(self) -> None:
         if not self._store.check(["closed"]):
@@ -228,23 +224,26 @@ class BarrierRendezvousHandler(RendezvousHandler):
             raise RendezvousGracefulExitError("the job finished while this node waited")
         raise RendezvousClosedError(f"rendezvous {self.settings.run_id!r} was closed")
 
-    def _joined(self, result: RoundResult) -> RendezvousInfo:
-        self._current = result
-        rank = result.group_rank(self.node)
-        if self.node in result.activated:
-            self._emit(ev.SPARE_ACTIVATED, round=result.round, group_rank=rank, replaced=result.lost)
-        if rank == 0:  # one record per lost node, from the new round's first node
-            for node in result.lost:
-                self._emit(ev.NODE_LOST, round=result.round, node=node)
-        round_store = PrefixStore(f"{result.round}/store/", self._store)
+    def _joined(self, place: Membership) -> RendezvousInfo:
+        self._current = place
+        rank = place.group_rank
+        if place.activated or (rank == 0 and place.round > 1):
+            lost = self.last_round().lost  # the whole result: read by a spare taking over and by rank 0
+            if place.activated:
+                self._emit(ev.SPARE_ACTIVATED, round=place.round, group_rank=rank, replaced=lost)
+                logger.info("round %d: this spare takes group rank %d (replacing %s)", place.round, rank,
+                            ", ".join(lost))
+            if rank == 0:  # one record per lost node, from the new round's first node
+                for node in lost:
+                    self._emit(ev.NODE_LOST, round=place.round, lost_agent=node)
+        round_store = PrefixStore(f"{place.round}/store/", self._store)
         bootstrap = RendezvousStoreInfo.build(rank, round_store, self.settings.local_addr)
-        logger.info("round %d: group rank %d of %d%s", result.round, rank, result.world_size,
-                    f" (replacing {', '.join(result.lost)})" if self.node in result.activated else "")
-        return RendezvousInfo(round_store, rank, result.world_size, bootstrap)
+        logger.info("round %d: group rank %d of %d", place.round, rank, place.world_size)
+        return RendezvousInfo(round_store, rank, place.world_size, bootstrap)
 
     def _emit(self, kind: str, **fields) -> None:
         if self.events is not None:
-            self.events.emit(kind, node=fields.pop("node", self.node), **fields)
+            self.events.emit(kind, agent=self.node, **fields)
 
     # ---- heartbeat and watching -------------------------------------------------------------
     def _start_pulse(self) -> None:
@@ -269,7 +268,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         if self._store.add(f"{current.round}/lost/count", 0) > 0:
             self._lost_in_round = current.round
             return
-        peers = _watched_peers(current.nodes(), self.node)
+        peers = list(current.watch)
         if not peers:
             return
         liveness.observe(dict(zip(peers, _counters(self._store, peers))))
@@ -285,7 +284,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
 class _RoundDecider:
     """The leader's side of one round: gathers arrivals and liveness, asks plan_round."""
 
-    def __init__(self, handler: BarrierRendezvousHandler, round_number: int):
+    def __init__(self, handler: BarrierRendezvousHandler, round_number: int, leading: bool):
         self.h = handler
         self.store = handler._store
         self.round = round_number
@@ -295,27 +294,38 @@ class _RoundDecider:
         self.previous_read = False
         self.opened = time.monotonic()
         self.short_since: Optional[float] = None
-        self.leading = False  # once this node leads a round it stays the leader
-
-    def leads(self) -> bool:
-        if not self.leading:
-            key = f"{self.round}/leader"
-            self.leading = self.store.check([key]) and self.store.get(key).decode() == self.h.node
-        return self.leading
+        self.leading = leading  # once this node leads a round it stays the leader
 
     def take_over_if_leader_lost(self) -> None:
         key = f"{self.round}/leader"
-        leader = self.store.get(key).decode() if self.store.check([key]) else ""
-        if leader == self.h.node:
+        if self.leading:
             return
+        leader = self.store.get(key).decode() if self.store.check([key]) else ""
         if leader:
             self.liveness.observe({leader: _counters(self.store, [leader])[0]})
             if not self.liveness.lost(leader):
                 return
         elif time.monotonic() - self.opened < self.h.settings.node_timeout:
             return
-        if self.store.compare_set(key, leader, self.h.node).decode() == self.h.node:
+        self.leading = self.store.compare_set(key, leader, self.h.node).decode() == self.h.node
+        if self.leading:
             logger.warning("round %d: leader %s lost; %s decides the round", self.round, leader or "-", self.h.node)
+
+    def decide_and_assign(self) -> bool:
+        """Decide the round if it can close; write the result, then each arrival's membership."""
+        decision = self.decide()
+        if decision is None:
+            return False
+        written = self.store.compare_set(f"{self.round}/result", "", decision).decode()
+        if written == decision:  # not a second leader's, decided a moment earlier
+            keys = [f"{self.round}/assign/{a.index}" for a in self.arrivals]
+            if decision.startswith("error:"):
+                values = [decision] * len(keys)
+            else:
+                result = RoundResult.from_json(decision)
+                values = [membership(result, a.node).to_json() for a in self.arrivals]
+            self.store.multi_set(keys, values)
+        return True
 
     def decide(self) -> Optional[str]:
         settings = self.h.settings
@@ -371,12 +381,14 @@ class _RoundDecider:
         return [raw.decode() for raw in self.store.multi_get(keys)] if keys else []
 
 
-def _watched_peers(nodes: List[str], me: str) -> List[str]:
-    if me not in nodes:
-        return []
-    at = nodes.index(me)
-    return list(dict.fromkeys(nodes[(at + k) % len(nodes)] for k in range(1, _WATCHED_PEERS + 1)
-                              if nodes[(at + k) % len(nodes)] != me))
+def _parse(text: str, parse):
+    """A result or membership, or the round's error raised as the exception it names."""
+    if text.startswith("error:"):
+        message = text[len("error:"):]
+        if message.startswith("timeout:"):
+            raise RendezvousTimeoutError(message[len("timeout:"):])
+        raise RendezvousConflictError(message)
+    return parse(text)
 
 
 def _counters(store: Store, nodes: List[str]) -> List[int]:

@@ -18,7 +18,7 @@ Group ranks are the filled slots in order, so a full world keeps every slot's ra
 
 import dataclasses
 import json
-from typing import Dict, List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from torch.distributed.elastic.rendezvous import RendezvousError
 
@@ -54,19 +54,24 @@ class RoundResult:
     lost: List[str] = dataclasses.field(default_factory=list)  # previous participants not in this round
     activated: List[str] = dataclasses.field(default_factory=list)  # took the slot of a lost node
     infra_ranks: Dict[str, int] = dataclasses.field(default_factory=dict)  # participants', when used
+    _rank_of: Optional[Dict[str, int]] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
         return len(self.slots)
 
     def group_rank(self, node: str) -> Optional[int]:
-        for rank, slot in enumerate(sorted(self.slots)):
-            if self.slots[slot] == node:
-                return rank
-        return None
+        return self._ranks().get(node)
 
     def nodes(self) -> List[str]:
-        return [self.slots[s] for s in sorted(self.slots)]
+        """Participants in group-rank order."""
+        return list(self._ranks())
+
+    def _ranks(self) -> Dict[str, int]:
+        # computed once: every node of a large job asks for its own rank in the same result
+        if self._rank_of is None:
+            self._rank_of = {self.slots[slot]: rank for rank, slot in enumerate(sorted(self.slots))}
+        return self._rank_of
 
     def to_json(self) -> str:
         return json.dumps({"round": self.round, "slots": {str(k): v for k, v in self.slots.items()},
@@ -79,6 +84,37 @@ class RoundResult:
         return cls(round=data["round"], slots={int(k): v for k, v in data["slots"].items()},
                    spares=data["spares"], lost=data["lost"], activated=data["activated"],
                    infra_ranks=data.get("infra_ranks", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """One node's place in a closed round: what the node needs, small enough that each of
+    thousands of nodes reads only its own."""
+
+    round: int
+    group_rank: Optional[int]  # None: a spare
+    world_size: int
+    watch: Tuple[str, ...] = ()  # the nodes whose heartbeat this one watches
+    activated: bool = False  # took a lost node's slot
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Membership":
+        data = json.loads(text)
+        return cls(**{**data, "watch": tuple(data["watch"])})
+
+
+def membership(result: RoundResult, node: str, watched: int = 2) -> Membership:
+    """`node`'s membership; a participant watches the next `watched` nodes in rank order."""
+    rank = result.group_rank(node)
+    if rank is None:
+        return Membership(result.round, None, result.world_size)
+    nodes = result.nodes()
+    following = dict.fromkeys(nodes[(rank + k) % len(nodes)] for k in range(1, watched + 1))
+    watch = tuple(n for n in following if n != node)
+    return Membership(result.round, rank, result.world_size, watch, node in result.activated)
 
 
 def plan_round(round_number: int, arrivals: Sequence[Arrival], previous: Optional[RoundResult],
