@@ -41,7 +41,8 @@ def fault_free(tmp_path_factory):
 def test_a_killed_node_then_a_hung_node_are_each_replaced_by_a_spare(tmp_path, fault_free):
     with LocalCluster(str(tmp_path), job(tmp_path), flags=["--max-restarts", "3"]) as cluster:
         a, b = cluster.start("a"), cluster.start("b")
-        spares = [cluster.start("spare1"), cluster.start("spare2")]
+        wait_for(lambda: a.group_ranks() and b.group_ranks(), 120, "a and b in the first round")
+        spares = [cluster.start("spare1"), cluster.start("spare2")]  # after: a node's arrival decides its role
         wait_for(lambda: checkpoint_after([a, b], 0), 120, "a first checkpoint")
         rank_a, rank_b = a.group_ranks()[0], b.group_ranks()[0]
         assert {rank_a, rank_b} == {0, 1}
@@ -95,8 +96,8 @@ def test_infra_ranks_are_taken_from_the_scheduler_and_a_spare_inherits_the_lost_
     with LocalCluster(str(tmp_path), job(tmp_path), flags=["--max-restarts", "3", "--ft-use-infra-group-rank"]) \
             as cluster:
         a = cluster.start("a", env={"SLURM_PROCID": "1"})
+        spare = cluster.start("spare", env={"SLURM_PROCID": "2"})  # arrives whenever: its infra rank decides
         b = cluster.start("b", env={"SLURM_PROCID": "0"})
-        spare = cluster.start("spare", env={"SLURM_PROCID": "2"})
         wait_for(lambda: checkpoint_after([a, b], 0), 120, "a first checkpoint")
         assert (a.group_ranks(), b.group_ranks()) == ([1], [0])
         b.kill()

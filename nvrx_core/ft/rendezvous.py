@@ -27,10 +27,11 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
-from torch.distributed import PrefixStore, Store
-from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousGracefulExitError,
+from torch.distributed import DistNetworkError, PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
+                                                  RendezvousGracefulExitError,
                                                   RendezvousHandler, RendezvousInfo, RendezvousParameters,
                                                   RendezvousStoreInfo, RendezvousTimeoutError,
                                                   rendezvous_handler_registry)
@@ -54,6 +55,7 @@ class BarrierSettings:
     max_nodes: int
     infra_rank: Optional[int] = None  # set when ranks follow the scheduler's (--ft-use-infra-group-rank)
     local_addr: Optional[str] = None
+    endpoint: str = ""
     join_timeout: float = 600.0  # a round short of nodes (and no spare coming) fails after this
     last_call_timeout: float = 30.0  # first round: wait this long past the minimum for more nodes
     heartbeat_interval: float = 1.0
@@ -80,6 +82,7 @@ class BarrierSettings:
         infra = params.get("infra_group_rank")
         return cls(run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
                    infra_rank=None if infra is None else int(infra), local_addr=params.local_addr,
+                   endpoint=params.endpoint,
                    **{name: seconds(name) for name in ("join_timeout", "last_call_timeout",
                                                        "heartbeat_interval", "node_timeout")})
 
@@ -137,11 +140,21 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._store.set("closed", _FINISHED)
 
     def shutdown(self) -> bool:
+        """Close the rendezvous and leave. The store lives in one of the agents, which cannot tell
+        it is that one; so every agent waits (a few heartbeats at most) until every node that
+        joined has left too, and no node loses the store before it has read how things ended."""
         self._stop.set()
         try:
             if not self.is_closed():
                 self.set_closed()
-        except Exception as e:  # the store's host may be gone already
+            if self._pulse is not None:
+                joined = self._store.add("nodes_joined", 0)
+                left = self._store.add("nodes_left", 1)
+                deadline = time.monotonic() + 2 * self.settings.heartbeat_interval + 1.0
+                while left < joined and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    left = self._store.add("nodes_left", 0)
+        except Exception as e:  # the store's host is gone already
             logger.warning("could not close the rendezvous: %s", e)
         return True
 
@@ -164,6 +177,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
         return self._store.add(f"{current.round + 1}/arrived", 0)
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except DistNetworkError as e:
+            raise RendezvousConnectionError(
+                f"lost the rendezvous store at {self.settings.endpoint} (the node hosting it exited or was lost): "
+                f"{e}") from None
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         self._start_pulse()
         round_number = self._current.round + 1 if self._current else self._open_round()
         while True:
@@ -171,9 +192,9 @@ class BarrierRendezvousHandler(RendezvousHandler):
             place = self._await_membership(round_number, index)
             if place.group_rank is not None:
                 return self._joined(place)
-            self._emit(ev.SPARE_WAITING, round=round_number, participants=place.world_size)
-            logger.info("round %d is full; waiting as a spare in round %d", round_number, round_number + 1)
             round_number += 1
+            self._emit(ev.SPARE_WAITING, round=round_number)
+            logger.info("round %d is full; waiting as a spare in round %d", round_number - 1, round_number)
 
     # ---- rounds ------------------------------------------------------------------------
     def _open_round(self) -> int:
@@ -181,7 +202,11 @@ class BarrierRendezvousHandler(RendezvousHandler):
         latest = self._store.add("latest", 0)
         if latest == 0:
             return 1
-        return latest + 1 if self._store.check([f"{latest}/result"]) else latest
+        target = latest + 1 if self._store.check([f"{latest}/result"]) else latest
+        if target > 1 and self._store.check([f"{target - 1}/result"]):  # the job runs: wait for a slot
+            self._emit(ev.SPARE_WAITING, round=target)
+            logger.info("round %d is decided; waiting as a spare in round %d", target - 1, target)
+        return target
 
     def _arrive(self, round_number: int) -> int:
         index = self._store.add(f"{round_number}/arrived", 1)
@@ -248,6 +273,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
     # ---- heartbeat and watching -------------------------------------------------------------
     def _start_pulse(self) -> None:
         if self._pulse is None:
+            self._store.add("nodes_joined", 1)
             self._store.add(f"hb/{self.node}", 1)
             self._pulse = threading.Thread(target=self._beat, name="nvrx-rdzv-heartbeat", daemon=True)
             self._pulse.start()
@@ -295,6 +321,7 @@ class _RoundDecider:
         self.opened = time.monotonic()
         self.short_since: Optional[float] = None
         self.leading = leading  # once this node leads a round it stays the leader
+        self.dead: Set[str] = set()  # arrivals known lost since (a leader that died before deciding)
 
     def take_over_if_leader_lost(self) -> None:
         key = f"{self.round}/leader"
@@ -305,6 +332,7 @@ class _RoundDecider:
             self.liveness.observe({leader: _counters(self.store, [leader])[0]})
             if not self.liveness.lost(leader):
                 return
+            self.dead.add(leader)
         elif time.monotonic() - self.opened < self.h.settings.node_timeout:
             return
         self.leading = self.store.compare_set(key, leader, self.h.node).decode() == self.h.node
@@ -339,7 +367,7 @@ class _RoundDecider:
                 self.liveness.observe(dict(zip(pending, _counters(self.store, pending))))
                 lost.update(n for n in pending if self.liveness.lost(n))
         now = time.monotonic()
-        arrived = [a for a in self.arrivals if not self.liveness.lost(a.node)]  # e.g. a leader that died
+        arrived = [a for a in self.arrivals if a.node not in self.dead]
         try:
             result = plan_round(self.round, arrived, previous, lost, settings.min_nodes, settings.max_nodes,
                                 last_call_passed=now - self.opened > settings.last_call_timeout,
