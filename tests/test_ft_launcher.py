@@ -168,6 +168,11 @@ def test_finished_flag_honoured_and_written(tmp_path):
     (["--ft-restart-policy", "min-healthy"], "any-failed"),
     (["--workers-stop-timeout", "0"], "workers-stop-timeout"),
     (["--warm-start-preload", "no_such_module_xyz"], "no_such_module_xyz"),
+    (["--nnodes", "3:2"], "need 0 < min <= max"),
+    (["--ft-use-infra-group-rank", "--ft-rdzv-impl", "legacy", "--rdzv-backend", "c10d"],
+     "needs the barrier rendezvous"),
+    (["--rdzv-conf", "node_timeout=0.1,heartbeat_interval=1"], "node_timeout"),
+    (["--rdzv-conf", "join_timeout=soon"], "join_timeout"),
     (["BADYAML"], "not valid YAML"),
     (["BADFIELD"], "unknown field 'rank_heartbeat_timout'"),
 ])

@@ -9,8 +9,9 @@ def arrivals(*nodes, infra=None):
     return [Arrival(n, None if infra is None else infra[i], i + 1) for i, n in enumerate(nodes)]
 
 
-def plan(round_number, arrived, previous=None, lost=(), min_nodes=2, max_nodes=2, last_call=False, infra=False):
-    return plan_round(round_number, arrived, previous, set(lost), min_nodes, max_nodes, last_call, infra)
+def plan(round_number, arrived, previous=None, lost=(), min_nodes=2, max_nodes=2, last_call=False, infra=False,
+         alive=()):
+    return plan_round(round_number, arrived, previous, set(lost), min_nodes, max_nodes, last_call, infra, set(alive))
 
 
 def test_first_round_fills_in_arrival_order_and_the_extra_node_waits_as_a_spare():
@@ -75,13 +76,19 @@ def test_with_infra_ranks_the_lowest_spare_inherits_the_lost_nodes_rank():
 
 @pytest.mark.parametrize("arrived, previous, expected", [
     (arrivals("x", "y", infra=[0, 0]), None, "nodes x and y both claim infra group rank 0"),
-    (arrivals("s", infra=[0]), RoundResult(1, {0: "x"}, infra_ranks={"x": 0}),
+    (arrivals("s", infra=[0]), RoundResult(1, {0: "x"}, infra_ranks={"x": 0}),  # x is training, alive
      "nodes x and s both claim infra group rank 0"),
     (arrivals("x", "y", infra=[0, None]), None, "node y has no infra group rank"),
 ])
 def test_conflicting_infra_ranks_are_an_error_naming_the_nodes(arrived, previous, expected):
     with pytest.raises(RendezvousConflictError, match=expected):
-        plan(2 if previous else 1, arrived, previous, infra=True)
+        plan(2 if previous else 1, arrived, previous, infra=True, alive={"x"})
+
+
+def test_a_claim_on_the_rank_of_a_node_not_seen_alive_waits_until_that_node_is_lost_or_back():
+    first = RoundResult(1, {0: "x", 1: "y"}, infra_ranks={"x": 0, "y": 1})
+    assert plan(2, arrivals("x", "y2", infra=[0, 1]), first, infra=True) is None  # y may be dead
+    assert plan(2, arrivals("x", "y2", infra=[0, 1]), first, lost={"y"}, infra=True).slots == {0: "x", 1: "y2"}
 
 
 def test_a_lost_nodes_infra_rank_may_be_claimed_by_its_replacement():

@@ -195,6 +195,11 @@ def resolve_rendezvous(args) -> None:
         args.master_port = 29500
     if args.rdzv_backend == "c10d" and args.ft_rdzv_impl == "barrier":
         args.rdzv_backend = barrier.BACKEND
+    if args.rdzv_backend == barrier.BACKEND:  # its --rdzv-conf values, checked before anything starts
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
+        barrier.BarrierSettings.from_params(RendezvousParameters(
+            barrier.BACKEND, args.rdzv_endpoint, args.rdzv_id, 1, max_nodes, **conf))
     if args.ft_use_infra_group_rank:
         check(args.rdzv_backend == barrier.BACKEND, "--ft-use-infra-group-rank", True,
               "needs the barrier rendezvous (--rdzv-backend c10d or nvrx, not with --ft-rdzv-impl legacy)")

@@ -93,18 +93,26 @@ class Liveness:
     def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic):
         self.timeout = timeout
         self.clock = clock
-        self._seen: Dict[str, tuple] = {}  # node -> (counter, when it last changed)
+        self._seen: Dict[str, tuple] = {}  # node -> (counter, when it last changed, seen changing)
 
     def observe(self, counters: Dict[str, int]) -> None:
         now = self.clock()
         for node, value in counters.items():
             last = self._seen.get(node)
-            if last is None or last[0] != value:
-                self._seen[node] = (value, now)
+            if last is None:
+                self._seen[node] = (value, now, False)
+            elif last[0] != value:
+                self._seen[node] = (value, now, True)
 
     def lost(self, node: str) -> bool:
+        """Unchanged for the whole timeout (the caller keeps observing it)."""
         last = self._seen.get(node)
         return last is not None and self.clock() - last[1] > self.timeout
+
+    def moved_since(self, node: str, when: float) -> bool:
+        """Seen changing (not merely seen) after `when`: certainly alive then."""
+        last = self._seen.get(node)
+        return last is not None and last[2] and last[1] > when
 
 
 class BarrierRendezvousHandler(RendezvousHandler):
@@ -252,15 +260,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
     def _joined(self, place: Membership) -> RendezvousInfo:
         self._current = place
         rank = place.group_rank
-        if place.activated or (rank == 0 and place.round > 1):
-            lost = self.last_round().lost  # the whole result: read by a spare taking over and by rank 0
-            if place.activated:
-                self._emit(ev.SPARE_ACTIVATED, round=place.round, group_rank=rank, replaced=lost)
-                logger.info("round %d: this spare takes group rank %d (replacing %s)", place.round, rank,
-                            ", ".join(lost))
-            if rank == 0:  # one record per lost node, from the new round's first node
-                for node in lost:
-                    self._emit(ev.NODE_LOST, round=place.round, lost_agent=node)
+        if place.activated:
+            lost = self.last_round().lost  # the whole result: read only by a spare taking over
+            self._emit(ev.SPARE_ACTIVATED, round=place.round, group_rank=rank, replaced=lost)
+            logger.info("round %d: this spare takes group rank %d (replacing %s)", place.round, rank, ", ".join(lost))
         round_store = PrefixStore(f"{place.round}/store/", self._store)
         bootstrap = RendezvousStoreInfo.build(rank, round_store, self.settings.local_addr)
         logger.info("round %d: group rank %d of %d", place.round, rank, place.world_size)
@@ -301,6 +304,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         for peer in peers:
             if liveness.lost(peer):
                 logger.warning("node %s stopped its heartbeat for %.1f s: lost", peer, self.settings.node_timeout)
+                self._emit(ev.NODE_LOST, round=current.round, lost_agent=peer, seen_by="watcher")
                 count = self._store.add(f"{current.round}/lost/count", 1)
                 self._store.set(f"{current.round}/lost/{count}", peer)
                 self._lost_in_round = current.round
@@ -322,6 +326,8 @@ class _RoundDecider:
         self.short_since: Optional[float] = None
         self.leading = leading  # once this node leads a round it stays the leader
         self.dead: Set[str] = set()  # arrivals known lost since (a leader that died before deciding)
+        self.reported: Set[str] = set()  # nodes this leader found lost (each reported once)
+        self.newest_arrival_seen = 0.0
 
     def take_over_if_leader_lost(self) -> None:
         key = f"{self.round}/leader"
@@ -360,18 +366,27 @@ class _RoundDecider:
         self._read_new_arrivals()
         previous = self._previous()
         lost = set(self._marked_lost())
+        alive: Set[str] = set()
         if previous:
             here = {a.node for a in self.arrivals}
             pending = [n for n in previous.nodes() if n not in here and n not in lost]
             if pending:
                 self.liveness.observe(dict(zip(pending, _counters(self.store, pending))))
-                lost.update(n for n in pending if self.liveness.lost(n))
+                for node in pending:
+                    if self.liveness.lost(node):
+                        lost.add(node)
+                        if node not in self.reported:
+                            self.reported.add(node)
+                            self.h._emit(ev.NODE_LOST, round=self.round - 1, lost_agent=node, seen_by="leader")
+                # alive after the newest node arrived: a claim on its infra rank is a conflict, not a
+                # replacement (a node that died just before a replacement came never moves again)
+                alive = {n for n in pending if self.liveness.moved_since(n, self.newest_arrival_seen)}
         now = time.monotonic()
         arrived = [a for a in self.arrivals if a.node not in self.dead]
         try:
             result = plan_round(self.round, arrived, previous, lost, settings.min_nodes, settings.max_nodes,
                                 last_call_passed=now - self.opened > settings.last_call_timeout,
-                                use_infra_rank=settings.infra_rank is not None)
+                                use_infra_rank=settings.infra_rank is not None, alive=alive)
         except RendezvousConflictError as e:
             return f"error:{e}"
         if result is not None:
@@ -391,6 +406,7 @@ class _RoundDecider:
             keys = [f"{self.round}/node/{i}" for i in range(known + 1, count + 1)]
             for i, raw in enumerate(self.store.multi_get(keys), start=known + 1):
                 self.arrivals.append(Arrival.from_json(raw.decode(), i))
+            self.newest_arrival_seen = time.monotonic()
 
     def _previous(self) -> Optional[RoundResult]:
         if not self.previous_read and self.round > 1:

@@ -119,12 +119,16 @@ def membership(result: RoundResult, node: str, watched: int = 2) -> Membership:
 
 def plan_round(round_number: int, arrivals: Sequence[Arrival], previous: Optional[RoundResult],
                lost: Set[str], min_nodes: int, max_nodes: int, last_call_passed: bool,
-               use_infra_rank: bool) -> Optional[RoundResult]:
-    """The round's result, or None while it must wait for more nodes."""
+               use_infra_rank: bool, alive: Set[str] = frozenset()) -> Optional[RoundResult]:
+    """The round's result, or None while it must wait for more nodes.
+
+    `alive`: previous participants not arrived yet but seen alive just now (their heartbeat
+    moves); a newcomer claiming one of their infra ranks is a conflict, not a replacement."""
     before = dict(previous.slots) if previous else {}
     if use_infra_rank:
-        alive_before = {n: r for n, r in (previous.infra_ranks if previous else {}).items() if n not in lost}
-        _check_infra_ranks(arrivals, alive_before)
+        here = {a.node for a in arrivals}
+        holders = {n: r for n, r in (previous.infra_ranks if previous else {}).items() if n in here or n in alive}
+        _check_infra_ranks(arrivals, holders)
     here = {a.node: a for a in arrivals}
     pending = [n for n in before.values() if n not in here and n not in lost]
     if pending:
@@ -161,7 +165,7 @@ def plan_round(round_number: int, arrivals: Sequence[Arrival], previous: Optiona
 
 def _check_infra_ranks(arrivals: Sequence[Arrival], participants: Dict[str, int]) -> None:
     """Every node has an infra rank and no two live nodes share one (participants: the previous
-    round's, not lost, who may not have arrived yet)."""
+    round's known alive, arrived or not)."""
     claimed: Dict[int, str] = {rank: node for node, rank in participants.items()}
     for a in arrivals:
         if a.infra_rank is None:
