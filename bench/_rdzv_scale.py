@@ -7,6 +7,7 @@ the moment the last one has its rank. No training process is started: this measu
 rendezvous protocol and the store, which is what grows with the node count.
 """
 
+import concurrent.futures
 import datetime
 import json
 import sys
@@ -32,7 +33,10 @@ def main() -> int:
     impl, n = sys.argv[1], int(sys.argv[2])
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     timeout = datetime.timedelta(seconds=1200)
-    clients = [TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout) for _ in range(n)]
+    # connecting is slow where the client's reverse DNS lookup times out: connect many at once
+    with concurrent.futures.ThreadPoolExecutor(256) as pool:
+        clients = list(pool.map(lambda _: TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout),
+                                range(n)))
     handlers = [make_handler(impl, c, n) for c in clients]
     go = threading.Event()
     ranks, errors = [None] * n, []
@@ -55,8 +59,8 @@ def main() -> int:
     ok = not errors and sorted(ranks) == list(range(n))
     print(json.dumps({"impl": impl, "nodes": n, "seconds": seconds if ok else None, "errors": errors[:3]}),
           flush=True)
-    for h in handlers:
-        h.shutdown()
+    with concurrent.futures.ThreadPoolExecutor(256) as pool:  # agents leave together, as they would
+        list(pool.map(lambda h: h.shutdown(), handlers))
     return 0 if ok else 1
 
 
