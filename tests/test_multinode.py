@@ -12,11 +12,8 @@ from nvrx_core.exit_codes import ExitCode
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 160
-
-
-def job(run):
-    return ["-m", "nvrx_core.demo.train", "--steps", str(STEPS), "--step-time", "0.05", "--ckpt-every", "10",
+def job(run, steps=120):
+    return ["-m", "nvrx_core.demo.train", "--steps", str(steps), "--step-time", "0.05", "--ckpt-every", "10",
             "--ckpt-dir", str(run / "ckpt"), "--hash-file", str(run / "weights.sha")]
 
 
@@ -86,7 +83,7 @@ def test_without_a_spare_the_job_waits_for_a_replacement_node_with_the_lost_infr
 
 def test_two_nodes_claiming_one_infra_rank_stop_before_any_worker_starts(tmp_path):
     flags = ["--ft-use-infra-group-rank", "--node-rank", "0"]
-    with LocalCluster(str(tmp_path), job(tmp_path)) as cluster:
+    with LocalCluster(str(tmp_path), job(tmp_path), nproc_per_node=1) as cluster:
         nodes = [cluster.start("a", flags), cluster.start("b", flags)]
         codes = [n.wait(120) for n in nodes]
     assert codes == [ExitCode.CONFIG_ERROR] * 2, "\n".join(n.output()[-2000:] for n in nodes)

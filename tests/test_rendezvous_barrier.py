@@ -14,7 +14,8 @@ from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, R
                                                   RendezvousTimeoutError)
 
 from nvrx_core.config import ConfigError
-from nvrx_core.ft.rendezvous import BarrierRendezvousHandler, BarrierSettings, Liveness, create_handler
+from nvrx_core.ft.rendezvous import BarrierRendezvousHandler, BarrierSettings, create_handler
+from nvrx_core.ft.rendezvous_leader import Liveness
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 
 FAST = dict(heartbeat_interval=0.1, node_timeout=0.6, last_call_timeout=0.5)

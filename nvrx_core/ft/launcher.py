@@ -29,8 +29,8 @@ from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV, ExitCode, describe
 from nvrx_core.ft import finished
 from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
-from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft import rendezvous as barrier
+from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
@@ -195,7 +195,13 @@ def resolve_rendezvous(args) -> None:
         args.master_port = 29500
     if args.rdzv_backend == "c10d" and args.ft_rdzv_impl == "barrier":
         args.rdzv_backend = barrier.BACKEND
-    if args.rdzv_backend == barrier.BACKEND:  # its --rdzv-conf values, checked before anything starts
+    check_barrier_options(args)
+
+
+def check_barrier_options(args) -> None:
+    """The barrier rendezvous' --rdzv-conf values and --ft-use-infra-group-rank, checked (and the
+    infra rank passed on as a rendezvous option) before anything starts."""
+    if args.rdzv_backend == barrier.BACKEND:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
         conf = dict(item.split("=", 1) for item in (args.rdzv_conf or "").split(",") if "=" in item)
         barrier.BarrierSettings.from_params(RendezvousParameters(
