@@ -1,15 +1,18 @@
-"""One rendezvous round of N simulated agents: `python bench/_rdzv_scale.py IMPL N` prints seconds.
+"""One rendezvous round of N simulated agents: `python bench/_rdzv_scale.py IMPL N [PROCS]` prints seconds.
 
 Each agent is a thread with a store client of its own and a rendezvous handler of IMPL
 (`ours`: nvrx_core's barrier handler; `torch`: torch's dynamic c10d handler), all on one
-TCPStore served by this process. The time is from the moment every thread is released to
-the moment the last one has its rank. No training process is started: this measures the
-rendezvous protocol and the store, which is what grows with the node count.
+TCPStore served by this process. The agents are spread over PROCS processes (default 8):
+in one process, thousands of Python threads would measure one interpreter lock more than
+the protocol. The time is from the moment every agent is released to the moment the last
+one has its rank. No training process is started: this measures the rendezvous protocol and
+the store, which is what grows with the node count.
 """
 
 import concurrent.futures
 import datetime
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +24,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from nvrx_core.ft.rendezvous import BarrierRendezvousHandler, BarrierSettings
 
+TIMEOUT = datetime.timedelta(seconds=1200)
+
 
 def make_handler(impl: str, client: TCPStore, n: int):
     if impl == "ours":
@@ -29,38 +34,62 @@ def make_handler(impl: str, client: TCPStore, n: int):
     return torch_handler(client, C10dRendezvousBackend(client, "scale"), params)
 
 
-def main() -> int:
-    impl, n = sys.argv[1], int(sys.argv[2])
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-    timeout = datetime.timedelta(seconds=1200)
+def worker(impl: str, n: int, port: int, count: int, procs: int) -> int:
+    """`count` agents of an n-node job: connect, wait for the go, rendezvous, report."""
     # connecting is slow where the client's reverse DNS lookup times out: connect many at once
-    with concurrent.futures.ThreadPoolExecutor(256) as pool:
-        clients = list(pool.map(lambda _: TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout),
-                                range(n)))
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        clients = list(pool.map(lambda _: TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT),
+                                range(count)))
     handlers = [make_handler(impl, c, n) for c in clients]
-    go = threading.Event()
-    ranks, errors = [None] * n, []
+    control = clients[0]
+    control.add("bench/ready", 1)
+    control.wait(["bench/go"])
+    ranks, errors, ends = [None] * count, [], [0.0] * count
 
     def agent(i: int) -> None:
-        go.wait()
         try:
             ranks[i] = handlers[i].next_rendezvous().rank
         except Exception as e:  # reported below; the run then has no figure
             errors.append(repr(e))
+        ends[i] = time.time()
 
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(n)]
+    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(count)]
     for t in threads:
         t.start()
-    start = time.monotonic()
-    go.set()
     for t in threads:
         t.join()
-    seconds = time.monotonic() - start
-    ok = not errors and sorted(ranks) == list(range(n))
-    print(json.dumps({"impl": impl, "nodes": n, "seconds": seconds if ok else None, "errors": errors[:3]}),
-          flush=True)
-    with concurrent.futures.ThreadPoolExecutor(256) as pool:  # agents leave together, as they would
+    print(json.dumps({"ranks": ranks, "errors": errors[:3], "end": max(ends)}), flush=True)
+    control.add("bench/done", 1)  # nobody closes the rendezvous before every agent has its rank
+    while control.add("bench/done", 0) < procs:
+        time.sleep(0.05)
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:  # agents leave together, as they would
         list(pool.map(lambda h: h.shutdown(), handlers))
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--worker":
+        return worker(*sys.argv[2:3], *map(int, sys.argv[3:7]))
+    impl, n = sys.argv[1], int(sys.argv[2])
+    procs = min(n, int(sys.argv[3]) if len(sys.argv) > 3 else 8)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", impl, str(n), str(server.port), str(c),
+                                 str(procs)],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for c in counts]
+    while server.add("bench/ready", 0) < procs:
+        if any(w.poll() is not None for w in workers):
+            raise SystemExit("a simulated-agent process died while connecting")
+        time.sleep(0.05)
+    start = time.time()
+    server.set("bench/go", "1")
+    reports = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
+    ranks = sorted(r for report in reports for r in report["ranks"] if r is not None)
+    errors = [e for report in reports for e in report["errors"]]
+    ok = not errors and ranks == list(range(n))
+    seconds = max(report["end"] for report in reports) - start
+    print(json.dumps({"impl": impl, "nodes": n, "processes": procs, "seconds": seconds if ok else None,
+                      "errors": errors[:3]}), flush=True)
     return 0 if ok else 1
 
 

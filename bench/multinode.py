@@ -8,8 +8,9 @@
      spare:   --nnodes 2, the third agent waits (ours: hot spare; torch: its redundancy list)
      elastic: --nnodes 2:3, all three train; the job goes on with two
    torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as ft_launcher does.
-2. Rendezvous scale: one round of N agents simulated as threads with a store client each
-   (bench/_rdzv_scale.py), ours vs torch's dynamic c10d handler on the same kind of store.
+2. Rendezvous scale: one round of N agents simulated as threads with a store client each,
+   spread over 8 processes (bench/_rdzv_scale.py), ours vs torch's dynamic c10d handler on the
+   same kind of store.
 
     python bench/multinode.py [--runs 3] [--scale 64,256,1024] [--skip-scale]
 
