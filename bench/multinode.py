@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from nvrx_core.demo.nodes import FT_LAUNCHER, TORCHRUN, LocalCluster, first_step_after, wait_for
+from nvrx_core.demo.nodes import FT_LAUNCHER, TORCHRUN, LocalCluster, checkpoint_after, first_step_after, wait_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = {"spare": "2", "elastic": "2:3"}
@@ -38,10 +38,6 @@ LIMIT = 150.0  # seconds a launcher gets to recover before the run counts as "ne
 def job(workdir: str):
     return ["-m", "nvrx_core.demo.train", "--steps", "3000", "--step-time", "0.05", "--ckpt-every", "10",
             "--ckpt-dir", os.path.join(workdir, "ckpt")]
-
-
-def checkpoint_after(nodes, since: float) -> bool:
-    return any(e["time"] > since for n in nodes for e in n.events("checkpoint_committed"))
 
 
 def node_loss_once(launcher: str, scenario: str) -> float:

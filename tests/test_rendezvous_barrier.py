@@ -14,6 +14,7 @@ from torch.distributed.elastic.rendezvous import (RendezvousGracefulExitError, R
                                                   RendezvousTimeoutError)
 
 from nvrx_core.config import ConfigError
+from nvrx_core.demo.nodes import wait_for
 from nvrx_core.ft.rendezvous import BarrierRendezvousHandler, BarrierSettings, create_handler
 from nvrx_core.ft.rendezvous_leader import Liveness
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
@@ -56,13 +57,6 @@ def ranks(futures, timeout=30):
     return [(f.result(timeout).rank, f.result(timeout).world_size) for f in futures]
 
 
-def wait_until(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
 def lose(node):
     """What a SIGKILLed or stopped agent looks like to the others: its heartbeat stops."""
     node._stop.set()
@@ -71,7 +65,7 @@ def lose(node):
 def test_two_nodes_and_a_spare_then_a_lost_node_is_replaced_by_the_spare(pool, make_node):
     a = make_node()
     a_first = join(pool, a)
-    wait_until(lambda: a._store.add("1/arrived", 0) == 1)
+    wait_for(lambda: a._store.add("1/arrived", 0) == 1, 30, "a first in round 1")
     b = make_node()
     first = join(pool, b)
     assert ranks(a_first + first) == [(0, 2), (1, 2)]
@@ -81,7 +75,7 @@ def test_two_nodes_and_a_spare_then_a_lost_node_is_replaced_by_the_spare(pool, m
     assert not waiting.done() and a.num_nodes_waiting() == 0  # a full world does not restart for a spare
 
     lose(b)
-    wait_until(lambda: a.num_nodes_waiting() > 0)  # a watched b and found it lost
+    wait_for(lambda: a.num_nodes_waiting() > 0, 30, "b found lost")  # a watched b and found it lost
     again = pool.submit(a.next_rendezvous)
     assert ranks([again, waiting]) == [(0, 2), (1, 2)]  # the spare holds b's group rank, a kept its own
     assert a.last_round().lost == [b.node] and a.last_round().activated == [spare.node]
@@ -105,7 +99,7 @@ def test_without_a_spare_the_survivor_waits_for_a_replacement_node(pool, make_no
     ranks(join(pool, a, b))
     rank_b = b.last_round().group_rank(b.node)
     lose(b)
-    wait_until(lambda: a.num_nodes_waiting() > 0)
+    wait_for(lambda: a.num_nodes_waiting() > 0, 30, "b found lost")
     survivor = pool.submit(a.next_rendezvous)
     time.sleep(1.5)  # past node_timeout and last call: still no round without a second node
     assert not survivor.done()
@@ -119,7 +113,7 @@ def test_infra_ranks_are_kept_and_a_spare_inherits_the_lost_nodes(pool, make_nod
     assert ranks(join(pool, n1, n0)) == [(1, 2), (0, 2)]
     waiting = pool.submit(spare.next_rendezvous)
     lose(n0)
-    wait_until(lambda: n1.num_nodes_waiting() > 0)
+    wait_for(lambda: n1.num_nodes_waiting() > 0, 30, "n0 found lost")
     assert ranks([pool.submit(n1.next_rendezvous), waiting]) == [(1, 2), (0, 2)]
 
 

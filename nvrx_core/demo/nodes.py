@@ -139,6 +139,11 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.05):
         time.sleep(poll)
 
 
+def checkpoint_after(nodes: Sequence[Node], since: float) -> bool:
+    """Has any node recorded a committed checkpoint after `since` (wall time)?"""
+    return any(e["time"] > since for n in nodes for e in n.events("checkpoint_committed"))
+
+
 def first_step_after(nodes: Sequence[Node], since: float) -> Optional[float]:
     """When training was back: the first step done after a training_resumed event, both after `since`."""
     found = [e for n in nodes for e in n.events() if e["time"] > since]
