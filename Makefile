@@ -18,7 +18,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q $(TORCH_PIN)
-	$(VENV)/bin/pip install -q -e '.[dev,lightning,nemo-run]'
+	$(VENV)/bin/pip install -q -e '.[dev,lightning,nemo-run,report]'
 	touch $@
 
 demo: venv
@@ -34,7 +34,7 @@ compat: $(COMPAT_VENV)/.installed
 $(COMPAT_VENV)/.installed: pyproject.toml
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q $(COMPAT_TORCH)
-	$(COMPAT_VENV)/bin/pip install -q -e '.[dev,lightning,nemo-run]'
+	$(COMPAT_VENV)/bin/pip install -q -e '.[dev,lightning,nemo-run,report]'
 	touch $@
 
 # nvidia-resiliency-ext installs its own `ft_launcher`, so it lives in a venv of its own.

@@ -1,4 +1,4 @@
-"""The `nvrx` command: `nvrx demo` and `nvrx incidents EVENTS_FILE`."""
+"""The `nvrx` command: `nvrx demo` and `nvrx report EVENTS_FILE_OR_RUN_DIR`."""
 
 import argparse
 import sys
@@ -12,21 +12,37 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--nproc", type=int, default=4)
     demo.add_argument("--steps", type=int, default=60)
     demo.add_argument("--workdir", default=None, help="keep the run's files here (default: a temp dir)")
-    incidents = sub.add_parser("incidents", help="summarise the incidents in an events file")
-    incidents.add_argument("events_file")
+    for name, what in (("report", "what happened in a run, who caused it, and its goodput (ETTR)"),
+                       ("incidents", "the same report (the command's earlier name)")):
+        report = sub.add_parser(name, help=what)
+        report.add_argument("events", metavar="EVENTS_FILE_OR_RUN_DIR",
+                            help="an events file (ft_launcher --events-file), or a directory of *.jsonl files")
+        report.add_argument("--png", default=None, help="also draw the timeline and straggler heatmap into this PNG")
+        report.add_argument("--html", default=None, help="also write the report with its picture as one HTML page")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from nvrx_core.demo.run import run_demo
 
         return run_demo(nproc=args.nproc, steps=args.steps, workdir=args.workdir)
-    from nvrx_core.events import read_events
-    from nvrx_core.ft.incidents import summarize
+    from nvrx_core.report.build import build_report
 
-    found = summarize(read_events(args.events_file))
-    for incident in found:
-        print(incident.describe())
-    if not found:
-        print("no failed restart cycles in", args.events_file)
+    try:
+        report = build_report(args.events)
+    except (OSError, ValueError) as e:
+        print(f"nvrx report: error: {e}", file=sys.stderr)
+        return 2
+    print(report.text())
+    if args.png or args.html:
+        from nvrx_core.report.plot import MissingExtra, write_html, write_png
+
+        try:
+            if args.png:
+                write_png(report, args.png)
+            if args.html:
+                write_html(report, args.html)
+        except MissingExtra as e:
+            print(f"nvrx report: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

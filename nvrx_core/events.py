@@ -22,6 +22,8 @@ import time
 from typing import Any, Callable, Optional
 
 EVENTS_FILE_ENV = "NVRX_EVENTS_FILE"
+EVENTS_FORMAT = 1
+"""Each record's "v": a reader meeting a newer one says so and reads what it understands."""
 
 logger = logging.getLogger("nvrx.events")
 
@@ -29,17 +31,20 @@ logger = logging.getLogger("nvrx.events")
 FAULT_DETECTED = "fault_detected"
 RANK_KILLED = "rank_killed"
 STACKS_DUMPED = "stacks_dumped"
+RANK_DISCONNECTED = "rank_disconnected"  # a rank's monitor connection closed without a goodbye: it died
 WORKERS_FAILED = "workers_failed"
 RESTART_BEGUN = "restart_begun"
 RENDEZVOUS_DONE = "rendezvous_done"
 WORKERS_STARTED = "workers_started"
 TRAINING_RESUMED = "training_resumed"
 TRAINING_FINISHED = "training_finished"
+LAUNCHER_STARTED = "launcher_started"  # process_started: when the launcher process began (wall time)
 LAUNCHER_EXIT = "launcher_exit"
 HEALTH_CHECK = "health_check"
 TIMEOUTS_UPDATED = "timeouts_updated"
 CHECKPOINT_COMMITTED = "checkpoint_committed"
 STRAGGLER_FOUND = "straggler_found"
+STRAGGLER_SCORES = "straggler_scores"  # rank 0, every complete report: {rank: relative score} (the heatmap)
 STEP_DONE = "step_done"
 FIRST_PROGRESS = "first_progress"  # the node monitor saw a cycle's first heartbeat / section end
 FAULT_INJECTED = "fault_injected"
@@ -97,6 +102,7 @@ class EventLog:
         record = {
             "time": self._clock(),
             "kind": kind,
+            "v": EVENTS_FORMAT,
             "rank": fields.pop("rank", self.rank),
             "node": self.node,
             "cycle": fields.pop("cycle", self.cycle),

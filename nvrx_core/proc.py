@@ -36,6 +36,29 @@ def alive(pid: int) -> bool:
     return bool(state) and state[0] != "Z"
 
 
+def process_state(pid: int) -> Optional[str]:
+    """The kernel's word for what `pid` is doing ("running", "sleeping", "stopped", ...), or None
+    once it is gone: a hang report tells a frozen (SIGSTOP) rank from one blocked or spinning."""
+    try:
+        state = _status(pid).get("State", "").split()
+    except OSError:
+        return None
+    return state[1].strip("()") if len(state) > 1 else None
+
+
+def process_start_time(pid: int) -> Optional[float]:
+    """When `pid` started, in wall-clock seconds (None where /proc cannot say): a run's wall
+    time counts from the launcher's start, its imports included."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def signal_pending(pid: int, sig: int) -> bool:
     """Whether `sig` was sent to `pid` and not taken yet (False where unknown or gone).
 

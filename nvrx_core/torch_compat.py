@@ -113,3 +113,19 @@ def tensor_use_count(tensor: torch.Tensor) -> int:
     """How many references the C++ side holds to `tensor` (the caller's own counts as one):
     nvrx_core.collectives waits until a backend's worker thread has let go of a tensor."""
     return require(torch.Tensor, "_use_count", "a tensor's C++ reference count")(tensor)
+
+
+# ---- Flight Recorder -----------------------------------------------------------------------
+
+FLIGHT_RECORDER_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""How many collectives torch's Flight Recorder keeps per process (0, its default, turns it off)."""
+
+
+def flight_recorder_json() -> bytes:
+    """torch's Flight Recorder record of this process's collectives still in flight, as JSON:
+    a hang report tells the rank that stopped from the ranks waiting for it by where each is
+    in its groups' collective sequence. Works for gloo (CPU) and NCCL."""
+    import torch._C._distributed_c10d as c10d
+
+    dump = require(c10d, "_dump_fr_trace_json", "torch's Flight Recorder dump, read to tell a hung rank from its peers")
+    return dump(True, True)  # includeCollectives, onlyActive

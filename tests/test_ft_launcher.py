@@ -8,7 +8,8 @@ from launcher_util import SCRIPTS, kinds, run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import launcher
-from nvrx_core.ft.incidents import summarize
+from nvrx_core.report import attribution
+from nvrx_core.report.incidents import find_incidents
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,8 +51,10 @@ def test_crash_restarts_and_resumes_from_checkpoint(tmp_path, reference_hash, st
     resumed = [e["step"] for e in kinds(events, "training_resumed") if e["cycle"] == 1]
     assert resumed and set(resumed) == {10}  # the last checkpoint before the crash at step 15
     assert digest == reference_hash  # nothing lost, nothing changed
-    [incident] = summarize(events)
-    assert incident.fault == "rank_killed" and incident.rank == 1 and incident.resumed_after is not None
+    [incident] = find_incidents(events)
+    assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.KILLED, [1]), incident.verdict
+    assert 0 not in incident.verdict.culprits and incident.resumed_after is not None
+    assert incident.last_step >= 14 and incident.resumed_from == 10
 
 
 def test_exception_restarts(tmp_path, reference_hash):
@@ -59,6 +62,8 @@ def test_exception_restarts(tmp_path, reference_hash):
     assert result.returncode == 0, result.stdout[-3000:]
     assert digest == reference_hash
     assert {e["exit_codes"]["0"] for e in kinds(events, "workers_failed")} == {1}
+    [incident] = find_incidents(events)
+    assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.EXCEPTION, [0]), incident.verdict
 
 
 def test_hang_detected_in_heartbeat_mode_with_stack_dump(tmp_path, reference_hash):
@@ -78,6 +83,8 @@ def test_hang_detected_in_heartbeat_mode_with_stack_dump(tmp_path, reference_has
     assert header in result.stdout, result.stdout[-6000:]
     block = result.stdout.split(header, 1)[1].split("[nvrx monitor", 1)[0]
     assert "(most recent call first)" in block and 'line' in block and "in maybe_inject" in block, block
+    [incident] = find_incidents(events)  # rank 1 stopped; rank 0 only waited for it in a collective
+    assert (incident.verdict.kind, incident.verdict.culprits, incident.verdict.waiting) == (attribution.HANG, [1], [0])
     injected = kinds(events, "fault_injected")[0]["time"]
     assert 1.5 < hung_rank[0]["time"] - injected < 2 + 10  # the 2 s timeout, not gloo's 30 min
     assert digest == reference_hash

@@ -167,30 +167,6 @@ def test_timeouts_from_untrusted_json():
         Timeouts.from_json([1])
 
 
-# ---- incident summaries -------------------------------------------------------
-def test_incident_summary_from_events():
-    from nvrx_core.ft.incidents import summarize
-
-    def e(t, kind, cycle, **kw):
-        return {"time": t, "kind": kind, "cycle": cycle, **kw}
-
-    events = [
-        e(0.0, "step_done", 0, step=14), e(0.5, "fault_injected", 0, fault="rank_killed", rank=1),
-        e(0.6, "workers_failed", 0, exit_codes={"0": 1, "1": -9}), e(1.4, "training_resumed", 1, step=10),
-        e(1.5, "step_done", 1, step=11),
-        # cycle 1: a hang the monitor found, in a job logging no steps after this point
-        e(9.0, "fault_detected", 1, rank=0, reason="heartbeat timeout"), e(9.3, "workers_failed", 1, exit_codes={"0": -9}),
-        e(10.0, "first_progress", 2, rank=1),
-    ]
-    crash, hang = summarize(events)
-    assert (crash.fault, crash.rank, crash.cycle) == ("rank_killed", 1, 0)
-    assert crash.detected_after == pytest.approx(0.1) and crash.resumed_after == pytest.approx(1.0)
-    assert crash.steps_redone == 4
-    assert (hang.fault, hang.rank, hang.detected_after) == ("hang", 0, 0.0)
-    assert hang.resumed_after == pytest.approx(1.0)  # from the monitor's first_progress
-    assert "detected after 0.10 s" in crash.describe()
-
-
 # ---- simulated faults ---------------------------------------------------------
 def test_fault_injector_targets_one_rank_in_one_cycle():
     from nvrx_core.ft.faults import FaultInjector, SimulatedFault

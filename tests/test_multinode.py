@@ -9,6 +9,8 @@ import pytest
 
 from nvrx_core.demo.nodes import LocalCluster, checkpoint_after, wait_for
 from nvrx_core.exit_codes import ExitCode
+from nvrx_core.report import attribution
+from nvrx_core.report.build import build_report
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,6 +60,10 @@ def test_a_killed_node_then_a_hung_node_are_each_replaced_by_a_spare(tmp_path, f
     # reported by whoever found it first: a's watcher, or the leader of the next round (a spare)
     lost = {e["lost_agent"] for n in (a, *spares) for e in n.events("node_lost")}
     assert len(lost) == 2 and first.events("spare_activated")[0]["agent"] in lost
+    # `nvrx report` on the run directory (one events file per node) names both lost nodes, no rank
+    verdicts = [i.verdict for i in build_report(str(tmp_path)).incidents]
+    named = {node for v in verdicts if v.kind == attribution.NODE_LOST for node in v.node.split(", ")}
+    assert named == lost and not any(v.culprits for v in verdicts if v.kind == attribution.NODE_LOST), verdicts
 
 
 def test_without_a_spare_the_job_waits_for_a_replacement_node_with_the_lost_infra_rank(tmp_path, fault_free):

@@ -18,6 +18,8 @@ import pytest
 from launcher_util import SCRIPTS, kinds
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
+from nvrx_core.report import attribution
+from nvrx_core.report.incidents import find_incidents
 from waiting import wait_for
 
 JOB = os.path.join(SCRIPTS, "preempt_job.py")
@@ -67,3 +69,6 @@ def test_sigterm_to_one_worker_stops_the_job_with_exit_code_preempted(tmp_path, 
     # The first rank to exit 18 ends the cycle; the agent then stops the other with SIGTERM,
     # which may land while it is itself exiting with 18 (both reports above are written).
     assert ExitCode.PREEMPTED in codes and codes <= {ExitCode.PREEMPTED, -signal.SIGTERM}, codes
+    [incident] = find_incidents(events)  # `nvrx report`: preempted, no rank to blame
+    assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.PREEMPTED, [])
+    assert "SIGTERM" in incident.verdict.evidence[0]

@@ -18,6 +18,9 @@ import torch.distributed as dist
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import EVENTS_FILE_ENV, STRAGGLER_FOUND, read_events
+from nvrx_core.report import attribution
+from nvrx_core.report.attribution import attribute
+from nvrx_core.report.plot import straggler_matrix
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.straggler import INDIVIDUAL, OVERALL, RELATIVE, Detector, StragglerConfig
 
@@ -248,6 +251,11 @@ def test_stop_if_detected_checkpoints_then_exits_19(tmp_path):
     found = [e for e in read_events(events_file) if e["kind"] == STRAGGLER_FOUND]
     assert found and {e["straggler_rank"] for e in found} == {3}
     assert all(e["action"] == "stop" and e["rank"] == 0 for e in found)
+    verdict = attribute(read_events(events_file))  # what `nvrx report` says of this stop
+    assert (verdict.kind, verdict.culprits) == (attribution.STRAGGLER, [3])
+    ranks, reports, cells = straggler_matrix(read_events(events_file))  # the report's heatmap
+    assert ranks == [0, 1, 2, 3] and len(reports) >= 2
+    assert min(cells, key=cells.get)[0] == 3  # the lowest score of any report is rank 3's
     assert {(e["score_kind"], e["scope"]) for e in found} >= {(RELATIVE, "fwd"), (RELATIVE, OVERALL)}
 
 

@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 
-from nvrx_core.events import read_events
 from nvrx_core.exit_codes import describe
-from nvrx_core.ft.incidents import summarize
+from nvrx_core.report.build import build_report
+from nvrx_core.report.text import describe_incident
 
 # Lines worth showing live; the full output goes to launcher.log.
 _SHOW = re.compile(r"step +\d+/|simulated fault|hung:|Current thread|File \".*train.py\"|failed \(exitcode|"
@@ -69,9 +69,9 @@ def run_demo(nproc: int = 4, steps: int = 60, workdir: str = None) -> int:
     code = _launch(workdir, "faulty", nproc, steps, faults, live=True)
     print(f"ft_launcher exited {code} ({describe(code)}) after {time.monotonic() - t0:.1f} s")
     print("\nIncident summary:")
-    incidents = summarize(read_events(os.path.join(workdir, "faulty", "events.jsonl")))
+    incidents = build_report(os.path.join(workdir, "faulty", "events.jsonl")).incidents
     for incident in incidents:
-        print("  - " + incident.describe())
+        print("\n".join("  " + line for line in describe_incident(incident)))
     print("\nFault-free reference run (same seed, same data order) ...")
     ref_code = _launch(workdir, "reference", nproc, steps, [], live=False)
     faulty_hash = _read(os.path.join(workdir, "faulty", "weights.sha"))

@@ -10,6 +10,7 @@ Run it under ft_launcher (or torchrun):
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 import time
@@ -41,6 +42,8 @@ def parse_args(argv=None):
                    help="simulated fault, e.g. rank_killed:1:15 or rank_hung:0:30:1")
     p.add_argument("--fault-after", action="append", default=[], metavar="KIND:RANK:SECONDS[:CYCLE]",
                    help="time-based simulated fault (fires from a thread after SECONDS)")
+    p.add_argument("--fault-file", default=None,
+                   help="faults requested while the job runs (bench/soak.py): see FaultRequests")
     p.add_argument("--hash-file", default=None, help="rank 0 writes the final weights hash here")
     p.add_argument("--progress", action="store_true", help="rank 0 prints a line per step")
     return p.parse_args(argv)
@@ -55,6 +58,32 @@ def parse_fault(spec: str, time_based: bool) -> SimulatedFault:
     if time_based:
         return SimulatedFault(kind, rank_to_fail=int(rank), base_delay=float(when), cycle=cycle)
     return SimulatedFault(kind, rank_to_fail=int(rank), at_iteration=int(when), cycle=cycle)
+
+
+class FaultRequests:
+    """Faults asked for from outside while the job runs, each fired once, by one rank.
+
+    The file holds JSON {"id": n, "rank": r, "kind": k} (k a SimulatedFault kind). A rank
+    looks at it each step; the rank it names claims the request by creating `PATH.<id>.fired`
+    (O_EXCL), so a restarted job does not fire it again."""
+
+    def __init__(self, path: str, rank: int):
+        self.path, self.rank = path, rank
+
+    def maybe_inject(self, step: int) -> None:
+        try:
+            with open(self.path) as f:
+                request = json.load(f)
+        except (OSError, ValueError):
+            return
+        if not isinstance(request, dict) or request.get("rank") != self.rank:
+            return
+        try:
+            os.close(os.open(f"{self.path}.{request.get('id')}.fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        FaultInjector(SimulatedFault(str(request.get("kind")), rank_to_fail=self.rank, at_iteration=step,
+                                     cycle=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))).maybe_inject(step)
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -103,6 +132,8 @@ def main(argv=None) -> int:
     if args.mode == "sections":
         client.end_section("setup")
     events.emit(ev.TRAINING_RESUMED, step=start)
+    if args.fault_file:
+        injectors.append(FaultRequests(args.fault_file, rank))
 
     for step in range(start + 1, args.steps + 1):
         t0 = time.monotonic()
@@ -122,7 +153,6 @@ def main(argv=None) -> int:
             client.send_heartbeat()
         client.report_progress(step)
         if rank == 0:
-            events.emit(ev.STEP_DONE, step=step)
             if args.progress:
                 print(f"  cycle {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} step {step:3d}/{args.steps} "
                       f"loss {loss.item():.4f}", flush=True)

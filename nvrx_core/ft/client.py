@@ -22,11 +22,14 @@ import threading
 import time
 from typing import IO, Callable, Dict, Iterable, Iterator, Optional
 
+from nvrx_core import events as ev
 from nvrx_core.config import ConfigError
+from nvrx_core.ft.collective_trace import collectives_message
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.ft.client_link import MonitorLink, read_reply
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
+from nvrx_core.ft.uncaught import UncaughtExceptionRecorder
 from nvrx_core.signals import FaultHandlerDump, SignalClaim, default_registry
 
 STACK_DUMP_OWNER = "ft.client"
@@ -77,6 +80,8 @@ class RankMonitorClient:
         self._dump_signal: Optional[signal.Signals] = None
         self._dump_file: Optional[IO[str]] = None
         self._dump_claim: Optional[SignalClaim] = None
+        self._uncaught: Optional[UncaughtExceptionRecorder] = None
+        self._events: Optional[ev.EventLog] = None
 
     @property
     def is_active(self) -> bool:
@@ -126,7 +131,11 @@ class RankMonitorClient:
         self._observer.on_start(self._registered_at)
         self._dump_signal = signal.Signals[cfg["stack_dump_signal"]]
         self._register_stack_dump(reply.get("stack_file"))
-        self._link = MonitorLink(self._path, sock, self._lock, init, self._state_message, self._reregistered)
+        self._link = MonitorLink(self._path, sock, self._lock, init, self._state_message, self._reregistered,
+                                 answers={"dump_collectives": collectives_message})
+        self._events = ev.EventLog.from_env(source="ft.client")
+        self._uncaught = UncaughtExceptionRecorder(self._events)
+        self._uncaught.install()
         if self.calculated != Timeouts():
             self._push_timeouts()
         return True
@@ -165,6 +174,9 @@ class RankMonitorClient:
             return
         link, self._link = self._link, None
         link.close(farewell=encode("bye"))
+        if self._uncaught is not None:
+            self._uncaught.uninstall()
+            self._uncaught = None
         if self._dump_claim is not None:  # undo what init installed: the signal is free again
             self._dump_claim.release()
             self._dump_claim = None
@@ -231,7 +243,8 @@ class RankMonitorClient:
             self.end_section(name)
 
     def report_progress(self, iteration: int) -> None:
-        """Tell the launcher how far training got (it gives up after cycles with no progress)."""
+        """Tell the launcher how far training got (it gives up after cycles with no progress);
+        on rank 0, also a step_done event: `nvrx report` times the steps from them (ETTR)."""
         link = self._link
         if link is None:
             return
@@ -239,6 +252,9 @@ class RankMonitorClient:
         with self._lock:
             self._iteration = max(int(iteration), self._iteration if self._iteration is not None else int(iteration))
             link.send(msg)
+        events = self._events
+        if events is not None and events.path and events.rank == 0:  # the report's step timeline
+            events.emit(ev.STEP_DONE, step=int(iteration))
 
     # ---- timeouts --------------------------------------------------------------
     def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False, exclude: Iterable[str] = ()) -> bool:

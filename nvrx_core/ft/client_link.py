@@ -24,7 +24,7 @@ import select
 import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 from nvrx_core.ft.protocol import LineBuffer, ProtocolError, decode
 
@@ -64,7 +64,10 @@ class MonitorLink:
 
     def __init__(self, path: str, sock: socket.socket, lock: threading.Lock, init_message: bytes,
                  state_message: Callable[[], bytes], on_registered: Callable[[dict], None],
-                 retry_interval: float = 1.0, reply_timeout: float = 10.0):
+                 retry_interval: float = 1.0, reply_timeout: float = 10.0,
+                 answers: Optional[Dict[str, Callable[[], bytes]]] = None):
+        """`answers`: monitor requests this link answers from its own thread (message type ->
+        the reply), so they are answered while the training thread is blocked."""
         self.path = path
         self.lock = lock
         self._sock = sock
@@ -72,6 +75,7 @@ class MonitorLink:
         self._init = init_message
         self._state_message = state_message
         self._on_registered = on_registered
+        self._answers = dict(answers or {})
         self._retry = retry_interval
         self._reply_timeout = reply_timeout
         self._stale = False  # the thread owns the writes until the monitor has the rank's view
@@ -174,6 +178,12 @@ class MonitorLink:
             logger.warning("lost the node monitor; reconnecting (hang detection resumes once it is back)")
             return
         for msg, problem in replies.feed(data):
+            answer = self._answers.get(msg["t"]) if msg is not None else None
+            if answer is not None:
+                reply = answer()
+                with self.lock:
+                    self.send(reply)
+                continue
             self._errors += 1
             if self._errors <= ERROR_WARNINGS:
                 reason = problem or (msg.get("reason") if msg.get("t") == "error" else f"unexpected {msg['t']}")

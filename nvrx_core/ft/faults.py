@@ -10,14 +10,16 @@ job would fail again forever.
 
 Kinds: rank_killed (SIGKILL to itself), rank_hung (the process freezes: SIGSTOP from the
 thread, or an endless sleep in the training loop for step-based faults, which leaves a
-stack for the monitor to dump), rank_exception (an exception in the training loop) and
-random (one of killed / hung, seeded).
+stack for the monitor to dump), rank_hung_gil (the process spins inside one C call that
+holds the GIL, so none of its threads runs: the hang a watchdog thread cannot see),
+rank_exception (an exception in the training loop) and random (one of killed / hung, seeded).
 """
 
 import dataclasses
 import logging
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -28,7 +30,9 @@ from nvrx_core.config import check
 
 logger = logging.getLogger("nvrx.ft.faults")
 
-FAULT_TYPES = ("rank_killed", "rank_hung", "rank_exception", "random")
+FAULT_TYPES = ("rank_killed", "rank_hung", "rank_hung_gil", "rank_exception", "random")
+GIL_HELD_SPIN = (r"(a|aa)+$", "a" * 80 + "b")
+"""A regular expression that backtracks for longer than any job runs, inside one C call."""
 
 
 class SimulatedFaultError(RuntimeError):
@@ -108,5 +112,7 @@ class FaultInjector:
                 while True:  # a hang with a Python stack the monitor can dump
                     time.sleep(3600)
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.kind == "rank_hung_gil":
+            re.match(*GIL_HELD_SPIN)
         else:
             raise SimulatedFaultError(f"simulated fault in rank {self.rank} at iteration {iteration}")

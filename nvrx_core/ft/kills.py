@@ -72,13 +72,17 @@ class Killer:
     """Runs the kill sequence of hung ranks (see the module docstring)."""
 
     def __init__(self, cfg: FTConfig, events: ev.EventLog, scheduler: Scheduler, clock: Callable[[], float],
-                 send_signal: SendSignal, report_stacks: Callable[[RankWatch], None]):
+                 send_signal: SendSignal, report_stacks: Callable[[RankWatch], None],
+                 awaiting_evidence: Callable[[], bool] = lambda: False):
+        """`awaiting_evidence`: whether ranks asked where they stand (ft.hang_evidence) have yet
+        to answer; the termination waits for them (within DUMP_WAIT_LIMIT)."""
         self.cfg = cfg
         self.events = events
         self._sched = scheduler
         self._clock = clock
         self._send = send_signal
         self._report_stacks = report_stacks
+        self._awaiting_evidence = awaiting_evidence
 
     def begin(self, w: RankWatch, reason: str, overdue: float) -> None:
         w.expired = True
@@ -130,7 +134,7 @@ class Killer:
     def _terminate_after_dump(self, w: RankWatch, sent: float, waited: bool) -> None:
         """Terminate once the rank has taken the dump signal, or after DUMP_WAIT_LIMIT."""
         now = self._clock()
-        if now - sent < DUMP_WAIT_LIMIT and self._dump_pending(w):
+        if now - sent < DUMP_WAIT_LIMIT and (self._dump_pending(w) or self._awaiting_evidence()):
             self._then(w, now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
         elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
             self._then(w, now + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, False))

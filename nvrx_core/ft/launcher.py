@@ -29,13 +29,15 @@ from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV, ExitCode, describe
 from nvrx_core.ft import finished
 from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
+from nvrx_core.ft.collective_trace import DEFAULT_BUFFER_ENTRIES
 from nvrx_core.ft import rendezvous as barrier
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
                                      start_fork_server)
-from nvrx_core.torch_compat import torchrun_cli
+from nvrx_core.proc import process_start_time
+from nvrx_core.torch_compat import FLIGHT_RECORDER_BUFFER_ENV, torchrun_cli
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -212,6 +214,14 @@ def check_barrier_options(args) -> None:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"infra_group_rank={infra_group_rank(args)}"]))
 
 
+def enable_flight_recorder(environ) -> None:
+    """Workers record their collectives (torch's Flight Recorder) unless the user chose a buffer
+    size: a hang report needs them to tell the rank that stopped from its waiting peers
+    (nvrx_core.ft.collective_trace)."""
+    if not any(environ.get(name) for name in (FLIGHT_RECORDER_BUFFER_ENV, "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        environ[FLIGHT_RECORDER_BUFFER_ENV] = str(DEFAULT_BUFFER_ENTRIES)
+
+
 def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
     config, entrypoint, entrypoint_args = config_from_args(args)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
@@ -220,6 +230,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     # the master address only in the first round in which a node is rank 0, and a node that
     # joins later (--nnodes 1:2) then waits for that key until the store times out.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    enable_flight_recorder(os.environ)
     warm = args.warm_start and isinstance(entrypoint, str) and not args.no_python
     if warm:
         kind, target_args = split_python_command(entrypoint_args)
@@ -319,6 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"ft_launcher: error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     logging.getLogger("nvrx").setLevel(ft_cfg.log_level)
+    events.emit(ev.LAUNCHER_STARTED, process_started=process_start_time(os.getpid()))
     code = launch(args, settings, ft_cfg, events)
     events.emit(ev.LAUNCHER_EXIT, exit_code=int(code), meaning=describe(code))
     if code == ExitCode.PREEMPTED and preempted_code is not None:

@@ -32,7 +32,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.kills import Killer, Scheduler, SendSignal, signal_by_handle
-from nvrx_core.ft.monitor_io import Conn, peer_credentials, remove, report_stacks, stack_file
+from nvrx_core.ft.hang_evidence import HangEvidence
+from nvrx_core.ft.monitor_io import Conn, peer_credentials, read_stacks, remove, report_stacks, stack_file
 from nvrx_core.ft.protocol import ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
@@ -80,7 +81,12 @@ class NodeMonitor:
         self._sel.register(listener, selectors.EVENT_READ, None)
         self._conns: Dict[int, Conn] = {}
         self._sched = Scheduler(clock)
-        self._killer = Killer(config, events, self._sched, clock, send_signal, self._report_stacks)
+        self._evidence = HangEvidence(
+            events, clock, ask=self._ask_collectives, dump=lambda w: send_signal(w, config.stack_dump_signal),
+            read_stacks=lambda w: read_stacks(self._stack_file(w)), schedule=self._sched.at,
+            stacks_after=config.stack_dump_grace)
+        self._killer = Killer(config, events, self._sched, clock, send_signal, self._report_stacks,
+                              awaiting_evidence=self._evidence.awaiting_answers)
         self.cycle = cycle
         self._cycle_watches: List[RankWatch] = []
         self._cycle_progressed = False
@@ -206,6 +212,7 @@ class NodeMonitor:
             return
         if not clean and not w.expired:
             logger.info("rank %d (pid %d) disconnected without saying bye", w.rank, w.pid)
+            self.events.emit(ev.RANK_DISCONNECTED, rank=w.rank, cycle=w.cycle, pid=w.pid)
         if not w.expired:  # an expired rank's stacks are reported, then removed
             remove(self._stack_file(w))
         self._killer.rank_disconnected(w)  # closes the pidfd unless a kill step still needs it
@@ -214,7 +221,14 @@ class NodeMonitor:
         return stack_file(os.path.dirname(self._listener.getsockname()) or ".", w)
 
     def _report_stacks(self, w: RankWatch) -> None:
-        report_stacks(self._stack_file(w), w)
+        self._evidence.report_stacks(w, report_stacks(self._stack_file(w), w))
+
+    def _ask_collectives(self, w: RankWatch) -> bool:
+        conn = next((c for c in self._conns.values() if c.watch is w), None)
+        if conn is None:
+            return False
+        self._reply(conn, encode("dump_collectives"), droppable=True)
+        return True
 
     # ---- messages --------------------------------------------------------------
     def _handle(self, conn: Conn, msg: dict) -> None:
@@ -258,6 +272,8 @@ class NodeMonitor:
                 self.events.emit(ev.TIMEOUTS_UPDATED, rank=w.rank, cycle=w.cycle, timeouts=w.timeouts.to_json())
             if not self._cycle_progressed and (w.heartbeats or w.section_ends or w.max_iteration is not None):
                 self._progressed(w, kind)
+        elif kind == "collectives":
+            self._evidence.answered(w, msg)
         elif kind == "bye":
             self._drop(conn, clean=True)
         else:
@@ -352,6 +368,7 @@ class NodeMonitor:
                 self._adopted.pop(w.pid, None)  # exited meanwhile: nothing to watch
                 w.proc.close()
                 continue
+            self._evidence.hang_detected(w, self._watches())
             self._killer.begin(w, due[1], overdue=now - due[0])
 
 

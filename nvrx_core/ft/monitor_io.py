@@ -93,16 +93,22 @@ def stack_file(directory: str, w: RankWatch) -> str:
     return os.path.join(directory, f"stacks-rank{w.rank}-pid{w.pid}.txt")
 
 
-def report_stacks(path: str, w: RankWatch) -> None:
-    """Log the rank's dump as one block, then remove the file."""
+def read_stacks(path: str) -> str:
+    """The rank's dump so far ("" when it wrote none)."""
     try:
         with open(path, errors="replace") as f:
-            dump = f.read(MAX_STACK_DUMP_CHARS)
+            return f.read(MAX_STACK_DUMP_CHARS)
     except OSError:
-        return
+        return ""
+
+
+def report_stacks(path: str, w: RankWatch) -> str:
+    """Log the rank's dump as one block, remove the file, and return the dump."""
+    dump = read_stacks(path)
     remove(path)
     if dump.strip():
         logger.error("stacks of hung rank %d (pid %d):\n%s", w.rank, w.pid, dump.rstrip())
+    return dump
 
 
 def remove(path: str) -> None:

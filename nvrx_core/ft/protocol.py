@@ -16,9 +16,13 @@ Rank -> monitor (fire and forget, except `init`):
                                                          after a reconnect, and instead of the messages
                                                          the socket could not take (see client_link)
   bye         the rank is shutting down cleanly: stop watching it
+  collectives {groups, error?}                           answer to dump_collectives: where the rank is in each
+                                                         process group's collective sequence (ft.collective_trace)
 Launcher -> monitor (request / reply; refused from any other process):
   cycle       {cycle}                                    a new restart cycle begins -> ok
   stats       -> stats {ranks, heartbeats, section_ends, max_iteration}   for the cycle so far
+Monitor -> rank:
+  dump_collectives                                       a hang was detected in this cycle: say where you are
 Monitor -> any peer:
   error       {reason}                                   a message was refused (advisory; may be dropped)
 """
@@ -47,6 +51,7 @@ _SCHEMA = {
     "timeouts": {"timeouts": dict},
     "state": {"since_init": _NUMBER, "heartbeats": int, "section_ends": int, "open": dict},
     "bye": {},
+    "collectives": {"groups": dict},
     "cycle": {"cycle": int},
     "stats": {},
     # monitor -> client
@@ -54,6 +59,7 @@ _SCHEMA = {
     "ok": {},
     "stats_reply": {"stats": dict},
     "error": {"reason": str},
+    "dump_collectives": {},
 }
 
 

@@ -1,13 +1,14 @@
-"""What a report leads to: a log table, events when a score becomes flagged or recovers,
+"""What a report leads to: a log table, its scores as an event, events when a score becomes flagged or recovers,
 and, with stop_if_detected, the documented stop: checkpoint hook, then exit code 19."""
 
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from nvrx_core.events import STRAGGLER_FOUND, EventLog
+from nvrx_core.events import STRAGGLER_FOUND, STRAGGLER_SCORES, EventLog
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.straggler.config import StragglerConfig
 from nvrx_core.straggler.report import Report, Straggler
+from nvrx_core.straggler.timers import OVERALL
 
 STRAGGLER_CLEARED = "straggler_cleared"
 """Event kind: a flagged score is back above its threshold."""
@@ -34,6 +35,13 @@ class ReportActions:
             self._logger.warning("%s", report.table(max(config.num_scores_to_print, 1)))
         elif config.num_scores_to_print > 0:
             self._logger.info("%s", report.table(config.num_scores_to_print))
+
+    def emit_scores(self, report: Report) -> None:
+        """Every rank's overall relative score, one event per report: the report's heatmap."""
+        scores = report.relative.get(OVERALL, {})
+        if scores:
+            self._events.emit(STRAGGLER_SCORES, report_index=report.index,
+                              scores={str(rank): round(score, 4) for rank, score in sorted(scores.items())})
 
     def emit_changes(self, report: Report) -> None:
         """One event when a score becomes flagged, one when it recovers (not one per report)."""

@@ -216,6 +216,7 @@ class Detector:
         if report is not None:
             if report.complete and self.rank == 0:
                 self._actions.log(report, self._config)
+                self._actions.emit_scores(report)
                 self._actions.emit_changes(report)
             if report.stop:
                 self._actions.stop(report, before_exit=self.close)

@@ -1,0 +1,75 @@
+"""The evidence a hang report rests on: a rank's place in the collective sequence (from torch's
+Flight Recorder), and the exception that ended a rank. The monitor gathering them from live
+ranks is checked end to end in test_report_runs.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+from nvrx_core import torch_compat
+from nvrx_core.events import read_events
+from nvrx_core.ft import collective_trace
+from nvrx_core.ft.protocol import decode
+
+
+def entry(pg_id, name, seq, op, retired):
+    return {"pg_id": pg_id, "process_group": [str(pg_id), name], "collective_seq_id": seq, "is_p2p": False,
+            "profiling_name": op, "retired": retired, "time_created_ns": 1000 + seq}
+
+
+def test_the_flight_recorder_dump_is_reduced_to_each_groups_position():
+    raw = {  # shaped like torch 2.13's _dump_fr_trace_json for a rank blocked in its 4th all_reduce
+        "entries": [entry(0, "default_pg", 3, "gloo:all_reduce", True), entry(0, "default_pg", 4, "gloo:all_reduce", False),
+                    entry(1, "tp", 7, "gloo:broadcast", True),
+                    {"pg_id": 1, "is_p2p": True, "collective_seq_id": 0}],
+        "pg_status": {"0": {"last_enqueued_collective": "4", "last_completed_collective": "3"},
+                      "1": {"last_enqueued_collective": "7", "last_completed_collective": "7"},
+                      "2": {"last_enqueued_collective": "x"}},  # unreadable: skipped, the rest kept
+    }
+    assert collective_trace.summarize_flight_recorder(raw) == {
+        "default_pg": {"enqueued": 4, "completed": 3, "op": "gloo:all_reduce", "since_ns": 1004},
+        "tp": {"enqueued": 7, "completed": 7, "op": None, "since_ns": None},
+    }
+    assert collective_trace.summarize_flight_recorder({}) == {}
+
+
+def test_a_rank_answers_even_when_its_torch_has_no_flight_recorder(monkeypatch):
+    def missing():
+        raise torch_compat.TorchCompatError("_dump_fr_trace_json", "torch's Flight Recorder dump")
+
+    monkeypatch.setattr(torch_compat, "flight_recorder_json", missing)
+    msg = decode(collective_trace.collectives_message().rstrip(b"\n"))
+    assert msg["t"] == "collectives" and msg["groups"] == {} and "_dump_fr_trace_json" in msg["error"]
+
+
+def test_a_process_with_no_group_yet_is_at_no_position():
+    assert decode(collective_trace.collectives_message().rstrip(b"\n"))["groups"] == {}
+
+
+def test_the_exception_that_ends_a_rank_is_recorded_and_still_printed(tmp_path):
+    events_file = str(tmp_path / "events.jsonl")
+    script = ("from nvrx_core.events import EventLog\n"
+              "from nvrx_core.ft.uncaught import UncaughtExceptionRecorder\n"
+              "UncaughtExceptionRecorder(EventLog.from_env()).install()\n"
+              "def step():\n    raise ValueError('bad batch 7')\n"
+              "step()\n")
+    env = dict(os.environ, NVRX_EVENTS_FILE=events_file, RANK="3")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 1 and "ValueError: bad batch 7" in result.stderr  # Python's own hook still ran
+    [record] = read_events(events_file)
+    assert (record["kind"], record["rank"], record["type"], record["message"]) == (
+        "worker_exception", 3, "builtins.ValueError", "bad batch 7")
+    assert "in step" in record["traceback"] and json.dumps(record)
+
+
+def test_the_recorder_puts_back_the_hook_it_replaced():
+    from nvrx_core.events import EventLog
+    from nvrx_core.ft.uncaught import UncaughtExceptionRecorder
+
+    before = sys.excepthook
+    recorder = UncaughtExceptionRecorder(EventLog(None))
+    recorder.install()
+    assert sys.excepthook != before
+    recorder.uninstall()
+    assert sys.excepthook is before
