@@ -3,7 +3,9 @@
 The demo job (2 gloo ranks, --step-time s padded steps, checkpoint every --ckpt-every steps,
 deterministic data) runs long enough for --minutes. Faults arrive at exponential intervals of
 mean --mtbf seconds (seeded): a random rank is killed, raises, or hangs (asked through the job's
---fault-file). Then a fault-free run of the same job gives the reference step time and weights.
+--fault-file). Then fault-free runs give the reference: the weights of the same steps (run
+without the step padding, which only sleeps: same data, same weights, seconds instead of
+minutes) and the undisturbed step time (PROBE_STEPS padded steps).
 
 Ground truth, measured here and not from the events: ETTR = steps x the fault-free median
 step time / the faulty launcher's wall time (this harness's clock, process start to exit).
@@ -29,13 +31,15 @@ from nvrx_core.report.build import build_report
 KINDS = {"kill": "rank_killed", "exception": "rank_exception", "hang": "rank_hung"}
 STARTUP_ALLOWANCE = 0.9
 """Share of the wall time the job's steps are sized to fill (the rest: startup, recoveries)."""
+PROBE_STEPS = 200
 
 
-def launch(workdir: str, steps: int, args, fault_file: str = None) -> subprocess.Popen:
+def launch(workdir: str, steps: int, args, fault_file: str = None, step_time: float = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", "2", "--max-restarts", "1000",
            "--events-file", os.path.join(workdir, "events.jsonl"),
            "--ft-initial-rank-heartbeat-timeout", "120", "--ft-rank-heartbeat-timeout", str(args.hang_timeout),
-           "-m", "nvrx_core.demo.train", "--steps", str(steps), "--step-time", str(args.step_time),
+           "-m", "nvrx_core.demo.train", "--steps", str(steps),
+           "--step-time", str(args.step_time if step_time is None else step_time),
            "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", os.path.join(workdir, "ckpt"),
            "--hash-file", os.path.join(workdir, "weights.sha")]
     if fault_file:
@@ -97,15 +101,16 @@ def main() -> int:
     args = p.parse_args()
     workdir = args.workdir or tempfile.mkdtemp(prefix="nvrx-soak-")
     steps = int(args.minutes * 60 * STARTUP_ALLOWANCE / args.step_time)
-    faulty, reference = os.path.join(workdir, "faulty"), os.path.join(workdir, "reference")
-    os.makedirs(faulty, exist_ok=True)
-    os.makedirs(reference, exist_ok=True)
+    faulty, reference, probe = (os.path.join(workdir, name) for name in ("faulty", "reference", "probe"))
+    for path in (faulty, reference, probe):
+        os.makedirs(path, exist_ok=True)
     print(f"soak: {args.minutes} min, MTBF {args.mtbf} s, faults {args.kinds}, {steps} steps of {args.step_time} s, "
           f"checkpoint every {args.ckpt_every}; files in {workdir}", flush=True)
     result = soak(faulty, steps, args)
-    ref = launch(reference, steps, args)
+    ref = launch(reference, steps, args, step_time=0.0)
     ref.wait()
-    step_s = median_step(read_events(os.path.join(reference, "events.jsonl")))
+    launch(probe, PROBE_STEPS, args).wait()
+    step_s = median_step(read_events(os.path.join(probe, "events.jsonl")))
     truth = steps * step_s / result["wall"]
     report = build_report(os.path.join(faulty, "events.jsonl"))
     ettr = report.goodput.ettr if report.goodput else None

@@ -24,9 +24,9 @@ from typing import IO, Callable, Dict, Iterable, Iterator, Optional
 
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError
-from nvrx_core.ft.collective_trace import collectives_message
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.ft.client_link import MonitorLink, read_reply
+from nvrx_core.ft.collective_trace import collectives_message
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
 from nvrx_core.ft.uncaught import UncaughtExceptionRecorder
