@@ -263,6 +263,14 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
         elif code is not None and code < 0:
             culprits[rank] = KILLED
             lines.append(f"rank {rank}: killed by {_signal_name(code)} (not sent by nvrx)")
+    noticed = min((e["time"] for e in events if e["kind"] == ev.WORKERS_FAILED), default=float("inf"))
+    vanished = {r for r, e in gone.items() if e["time"] <= noticed}  # later: stopped by the agent
+    for rank in sorted(vanished - set(codes) - set(exceptions)):
+        # gone before the agent looked (a peer's failure ended the cycle first), with no
+        # exception: its process vanished, as a killed one does
+        culprits[rank] = KILLED
+        lines.append(f"rank {rank}: its process vanished (connection to the monitor dropped, no exception "
+                     f"recorded): killed")
     if not culprits:
         unexplained = sorted(r for r, c in codes.items() if r not in waiting and c != 0)
         for rank in unexplained:

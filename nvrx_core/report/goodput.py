@@ -125,10 +125,14 @@ def _add_incident(seconds: Dict[str, float], incident: Incident, marked: list, r
     fault, detected = incident.fault_time, incident.detected_time
     if fault is None or detected is None:
         return
-    done_before = [t1 for key, _, _, t1, _ in marked if key == incident.key and t1 <= fault]
-    if done_before:
+    # A peer may finish a step a moment after the culprit's last sign of progress: count the
+    # time from whichever came later, so no second is counted twice.
+    ends = [t1 for key, _, _, t1, _ in marked if key == incident.key and t1 <= detected]
+    anchor = max([fault, *ends])
+    done_before = [t1 for t1 in ends if t1 <= fault]
+    if done_before and anchor == fault:
         seconds["redone"] += max(0.0, fault - max(done_before))  # the part-step in progress
-    seconds["detection"] += max(0.0, detected - fault)
+    seconds["detection"] += max(0.0, detected - anchor)
     source, node, cycle = incident.key
     restart = resumed.get((source, node, cycle + 1))
     if restart is not None:

@@ -1,4 +1,5 @@
-"""The report's picture: a timeline (ranks x time) and a straggler heatmap. Needs matplotlib
+"""The report's picture: a timeline (ranks x time) and, when the run has straggler reports, a
+heatmap of their scores. Needs matplotlib
 (`pip install nvrx-suite[report]`); the text report does not."""
 
 import base64
@@ -47,8 +48,13 @@ def draw(report, plt):
     start, end = run_span(events) if events else (0.0, 1.0)
     ranks = _rows(events)
     row = {r: i for i, r in enumerate(ranks)}
-    fig, (timeline, heat) = plt.subplots(2, 1, figsize=(12, 2.2 + 0.45 * max(len(ranks), 2) + 2.4),
-                                         gridspec_kw={"height_ratios": [max(len(ranks), 2), 2]})
+    s_ranks, times, cells = straggler_matrix(events)
+    height = 2.2 + 0.45 * max(len(ranks), 2)
+    if cells:
+        fig, (timeline, heat) = plt.subplots(2, 1, figsize=(12, height + 0.45 * len(s_ranks) + 1.5),
+                                             gridspec_kw={"height_ratios": [max(len(ranks), 2), max(len(s_ranks), 2)]})
+    else:
+        fig, timeline = plt.subplots(1, 1, figsize=(12, height))
     rel = lambda t: t - start  # noqa: E731
     g = report.goodput
     for cycle, step, t0, t1, kept in (g.executions if g else ()):
@@ -81,7 +87,6 @@ def draw(report, plt):
     timeline.set_title(f"timeline: steps (green kept, orange redone), checkpoints (blue), faults (red X), "
                        f"waiting (hatched), recovery (gold); {ettr}", fontsize=9)
     timeline.set_xlabel("seconds since the launcher started")
-    s_ranks, times, cells = straggler_matrix(events)
     if cells:
         grid = [[cells.get((i, j), float("nan")) for j in range(len(times))] for i in range(len(s_ranks))]
         image = heat.imshow(grid, aspect="auto", cmap="RdYlGn", vmin=0.0, vmax=1.0, interpolation="nearest",
@@ -90,9 +95,6 @@ def draw(report, plt):
         heat.set_yticks(range(len(s_ranks)), [f"rank {r}" for r in s_ranks])
         fig.colorbar(image, ax=heat, label="performance score (1 = fastest)")
         heat.set_title("straggler scores per report", fontsize=9)
-    else:
-        heat.text(0.5, 0.5, "no straggler reports in this run", ha="center", va="center")
-        heat.set_axis_off()
     fig.tight_layout()
     return fig
 
