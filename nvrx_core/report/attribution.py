@@ -252,7 +252,7 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
     for rank in sorted(set(codes) | set(exceptions)):
         code, exc = codes.get(rank), exceptions.get(rank)
         if exc is not None:
-            text = f"{str(exc.get('type', '')).rsplit('.', 1)[-1]}: {str(exc.get('message', ''))[:300]}"
+            text = f"{str(exc.get('type', '')).rsplit('.', 1)[-1]}: {str(exc.get('message', ''))[:200]}"
             if is_peer_error(exc):
                 waiting.append(rank)
                 lines.append(f"rank {rank}: failed waiting for a peer ({text})")

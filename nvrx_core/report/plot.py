@@ -16,6 +16,11 @@ class MissingExtra(RuntimeError):
     pass
 
 
+MAX_MARKS = 100
+"""More checkpoints than this are not marked one by one (nor more than a tenth as many
+incidents labelled): a long run would be a solid band of ticks and overlapping words."""
+
+
 def _pyplot():
     try:
         import matplotlib
@@ -60,8 +65,9 @@ def draw(report, plt):
     for cycle, step, t0, t1, kept in (g.executions if g else ()):
         timeline.barh(row.get(0, 0), t1 - t0, left=rel(t0), height=0.6, color="tab:green" if kept else "tab:orange",
                       edgecolor="none")
+    commits = sum(1 for e in events if e["kind"] == ev.CHECKPOINT_COMMITTED)
     for e in events:
-        if e["kind"] == ev.CHECKPOINT_COMMITTED and e.get("rank") in row:
+        if e["kind"] == ev.CHECKPOINT_COMMITTED and e.get("rank") in row and commits <= MAX_MARKS:
             timeline.plot([rel(e["time"])] * 2, [row[e["rank"]] - 0.4, row[e["rank"]] + 0.4], color="tab:blue", lw=1)
         elif e["kind"] == ev.STRAGGLER_FOUND and e.get("straggler_rank") in row:
             timeline.plot(rel(e["time"]), row[e["straggler_rank"]], marker="v", color="tab:purple", ms=9)
@@ -78,14 +84,15 @@ def draw(report, plt):
             timeline.axvline(rel(incident.detected_time), color="red", ls="--", lw=1)
         if incident.detected_time is not None and incident.first_step_time is not None:
             timeline.axvspan(rel(incident.detected_time), rel(incident.first_step_time), color="gold", alpha=0.25)
-            timeline.text(rel(incident.detected_time), len(ranks) - 0.4, f" {v.kind}", fontsize=8, va="top")
+            if len(report.incidents) <= MAX_MARKS // 10:
+                timeline.text(rel(incident.detected_time), len(ranks) - 0.4, f" {v.kind}", fontsize=8, va="top")
     timeline.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     timeline.set_xlim(0, max(rel(end), 1e-3))
     timeline.set_ylim(-0.7, max(len(ranks), 1) - 0.3)
     timeline.invert_yaxis()
     ettr = f"ETTR {100 * g.ettr:.1f}%" if g and g.ettr is not None else "ETTR unknown"
     timeline.set_title(f"timeline: steps (green kept, orange redone), checkpoints (blue), faults (red X), "
-                       f"waiting (hatched), recovery (gold); {ettr}", fontsize=9)
+                       f"waiting (hatched), recovery (gold); {len(report.incidents)} incidents, {ettr}", fontsize=9)
     timeline.set_xlabel("seconds since the launcher started")
     if cells:
         grid = [[cells.get((i, j), float("nan")) for j in range(len(times))] for i in range(len(s_ranks))]

@@ -34,8 +34,8 @@ def describe_incident(incident: Incident) -> List[str]:
                  f"redone {redone if redone is not None else '?'}")
     if incident.injected is not None:
         inj = incident.injected
-        lines.append(f"  injected (ground truth): {inj.get('fault')} in rank {inj.get('rank')} "
-                     f"at iteration {inj.get('iteration')}")
+        when = f"at iteration {inj['iteration']}" if inj.get("iteration") is not None else "from a timer"
+        lines.append(f"  injected (ground truth): {inj.get('fault')} in rank {inj.get('rank')} {when}")
     return lines
 
 
