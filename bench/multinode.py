@@ -9,10 +9,10 @@
      elastic: --nnodes 2:3, all three train; the job goes on with two
    torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as ft_launcher does.
 2. Rendezvous scale: one round of N agents simulated as threads with a store client each,
-   spread over 8 processes (bench/_rdzv_scale.py), ours vs torch's dynamic c10d handler on the
-   same kind of store.
+   spread over processes of 64 agents at most (bench/_rdzv_scale.py), ours vs torch's dynamic
+   c10d handler on the same kind of store.
 
-    python bench/multinode.py [--runs 3] [--scale 64,256,1024] [--skip-scale]
+    python bench/multinode.py [--runs 3] [--scale 64,256,1024] [--skip-scale] [--peer-scale-max 256]
 
 Prints `node_lost_<scenario>: ours X s, peer(torchrun) Y s, ratio Z` and
 `rendezvous_<N>_nodes: ours X s, peer(torch c10d) Y s, ratio Z` lines (medians).
@@ -87,18 +87,22 @@ def rendezvous_round(impl: str, nodes: int, limit: float) -> float:
     return float("inf") if seconds is None else seconds
 
 
-def bench_scale(sizes, runs: int, limit: float) -> None:
+def bench_scale(sizes, runs: int, limit: float, peer_max: int) -> None:
     curve = {}
     for n in sizes:
         ours = statistics.median(rendezvous_round("ours", n, limit) for _ in range(runs))
-        peer = statistics.median(rendezvous_round("torch", n, limit) for _ in range(runs))
+        peer = statistics.median(rendezvous_round("torch", n, limit) for _ in range(runs)) if n <= peer_max else None
         curve[n] = ours
+        if peer is None:
+            print(f"rendezvous_{n}_nodes: ours {ours:.3f} s, peer(torch c10d) not run (--peer-scale-max)", flush=True)
+            continue
         peer_text = f"{peer:.3f} s" if peer != float("inf") else f"> {limit:.0f} s (not finished)"
         print(f"rendezvous_{n}_nodes: ours {ours:.3f} s, peer(torch c10d) {peer_text}, ratio {ours / peer:.3f}",
               flush=True)
     ordered = sorted(curve)
     for small, large in zip(ordered, ordered[1:]):
         print(f"  ours x{large / small:g} nodes -> x{curve[large] / curve[small]:.2f} time", flush=True)
+    print("  ours per node: " + ", ".join(f"{n}: {1000 * curve[n] / n:.2f} ms" for n in ordered), flush=True)
 
 
 def main() -> int:
@@ -107,6 +111,8 @@ def main() -> int:
     parser.add_argument("--scale", default="64,256,1024", help="agent counts of the rendezvous-round figure")
     parser.add_argument("--scale-limit", type=float, default=420.0,
                         help="seconds one simulated round (connections included) may take")
+    parser.add_argument("--peer-scale-max", type=int, default=1 << 30,
+                        help="run torch's handler only up to this many agents (it took > 420 s at 1024)")
     parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--skip-node-loss", action="store_true")
     parser.add_argument("--peer-python", default=None, help="unused: the peers here are torch's own")
@@ -114,7 +120,7 @@ def main() -> int:
     if not args.skip_node_loss:
         bench_node_loss(args.runs)
     if not args.skip_scale:
-        bench_scale([int(n) for n in args.scale.split(",")], args.runs, args.scale_limit)
+        bench_scale([int(n) for n in args.scale.split(",")], args.runs, args.scale_limit, args.peer_scale_max)
     return 0
 
 

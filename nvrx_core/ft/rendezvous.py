@@ -46,6 +46,17 @@ logger = logging.getLogger("nvrx.ft.rendezvous")
 
 BACKEND = "nvrx"
 _FINISHED = "finished"
+POLL_BUDGET = 2000.0
+"""Store requests per second that a round's waiting nodes may make in all: a node waiting for
+its assignment polls every 0.2 s, or every (its arrival number / POLL_BUDGET) seconds once the
+round is that large. One TCPStore thread serves every node, so a fixed rate per node would
+load it in proportion to the node count for as long as the round takes, which itself grows
+with the node count; under the budget a round costs the store work linear in the nodes."""
+FIRST_POLL = 0.02
+MIN_POLL = 0.2
+SLOW_CHECK_REQUESTS = 4
+"""Store requests of a waiting node's slower look (closed? decided? leader alive?), made every
+heartbeat interval, or less often in a round so large that they would exceed the budget."""
 
 
 @dataclasses.dataclass
@@ -205,12 +216,14 @@ class BarrierRendezvousHandler(RendezvousHandler):
         that arrived after the decision (or whose leader died between writing the two)."""
         mine, result_key = f"{round_number}/assign/{index}", f"{round_number}/result"
         decider = RoundDecider(self, round_number, leading=index == 1)
-        poll, last_slow_check = 0.02, 0.0
+        poll, last_slow_check = max(FIRST_POLL, index / POLL_BUDGET), 0.0
+        slowest = max(MIN_POLL, index / POLL_BUDGET)
+        slow_every = max(self.settings.heartbeat_interval, SLOW_CHECK_REQUESTS * index / POLL_BUDGET)
         while True:
             if self._store.check([mine]):
                 return _parse(self._store.get(mine).decode(), Membership.from_json)
             now = time.monotonic()
-            if now - last_slow_check > self.settings.heartbeat_interval:
+            if now - last_slow_check > slow_every:
                 last_slow_check = now
                 self._check_closed()
                 if self._store.check([result_key]):
@@ -220,7 +233,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
             if decider.leading and decider.decide_and_assign():
                 continue
             time.sleep(poll)
-            poll = min(poll * 1.5, 0.2)
+            poll = min(poll * 1.5, slowest)
 
     def _check_closed(self) -> None:
         if not self._store.check(["closed"]):
