@@ -2,6 +2,8 @@
 depend on them are in test_ft_warm_start.py and every ft_launcher test)."""
 
 import os
+import subprocess
+import sys
 
 from nvrx_core.ft.warm_start import PRELOAD, apply_launcher_environment, early_preload, environment_changes
 
@@ -29,3 +31,11 @@ def test_the_command_line_decides_the_early_start():
     assert early_preload(["--warm-start-preload=a,b", "t.py"]) == [*PRELOAD, "a", "b"]
     for no in (["--no-warm-start", "t.py"], ["--no-python", "run.sh"], ["--help"]):
         assert early_preload(no) is None
+
+
+def test_the_command_module_imports_no_torch():
+    """The fork server's `import torch` overlaps the launcher's only if the command's own
+    imports (nvrx_core.ft's package, the client it exports) leave torch alone."""
+    code = "import sys, nvrx_core.ft.command; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

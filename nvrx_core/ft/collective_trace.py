@@ -17,8 +17,6 @@ the GIL held, or stopped, does not answer, and that silence is evidence too.
 import json
 from typing import Any, Dict
 
-from nvrx_core import torch_compat
-
 DEFAULT_BUFFER_ENTRIES = 2000
 """Collectives kept per process when ft_launcher turns the Flight Recorder on."""
 MAX_GROUPS = 32
@@ -58,6 +56,10 @@ def summarize_flight_recorder(raw: Dict[str, Any]) -> Dict[str, dict]:
 
 def collective_positions() -> Dict[str, dict]:
     """This process's summary (see summarize_flight_recorder); empty before any group exists."""
+    # imported here: the client imports this module, and `ft_launcher` (nvrx_core.ft.command)
+    # must stay torch-free so the fork server's import of torch overlaps the launcher's
+    from nvrx_core import torch_compat
+
     raw = torch_compat.flight_recorder_json()
     return summarize_flight_recorder(json.loads(raw))
 
