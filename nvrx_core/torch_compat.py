@@ -3,7 +3,7 @@
 ft_launcher extends torchrun and torch.distributed.elastic through names that are not
 public API: torchrun's argument parser and config builder, the elastic agent's protected
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
-restarts. The in-process Wrapper lists every process group through c10d's private registry
+restarts, the processes of its workers. The in-process Wrapper lists every process group through c10d's private registry
 and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
 C++ reference count to know when gloo's thread has let go of it. A torch release may rename or drop any
 of them; the symptom would then be a launcher that silently stops restarting, an abort
@@ -12,7 +12,7 @@ is first needed and raises TorchCompatError naming the torch version, the missin
 the versions nvrx-suite was tested with.
 """
 
-from typing import Any, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -78,6 +78,16 @@ def check_agent_hooks(agent_class: type) -> None:
 
 def restarts_left(agent: Any) -> int:
     return require(agent, AGENT_RESTARTS_LEFT, "the elastic agent's count of restarts left")
+
+
+def worker_exits(agent: Any) -> Dict[int, Tuple[int, Optional[int]]]:
+    """{local rank: (pid, exit code or None while running)} of the workers a LocalElasticAgent
+    started as multiprocessing processes (warm start), read from its process context: what
+    the agent reports when torch's own poll could not say which worker failed how."""
+    purpose = "the elastic agent's worker processes, read when torch's poll raised"
+    pcontext = require(agent, "_pcontext", purpose)
+    processes = require(require(pcontext, "_pc", purpose), "processes", purpose)
+    return {local_rank: (p.pid, p.exitcode) for local_rank, p in enumerate(processes)}
 
 
 # ---- c10d ----------------------------------------------------------------------------------

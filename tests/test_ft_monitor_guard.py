@@ -77,7 +77,9 @@ def test_a_rank_that_disconnects_but_keeps_running_is_still_escalated_through_it
 
 def test_without_pidfds_escalation_is_cancelled_at_disconnect(tmp_path, cleanup):
     """A bare pid proves nothing once its connection is gone: no SIGKILL may follow."""
-    monitor = MonitorThread(tmp_path, config=hung_rank_config(), open_process=lambda pid: ProcessHandle(pid, None))
+    # a long grace: under load the rank may take seconds to run its SIGTERM handler and disconnect
+    monitor = MonitorThread(tmp_path, config=hung_rank_config(termination_grace=60.0),
+                            open_process=lambda pid: ProcessHandle(pid, None))
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launcher_util import _dump_workers, kinds
+from launcher_util import SCRIPTS, _dump_workers, kinds, run_launcher
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
 from waiting import wait_for
@@ -200,3 +200,14 @@ def test_a_node_monitor_that_keeps_dying_stops_the_job_with_its_own_exit_code(tm
     assert len(kinds(events, "monitor_restarted")) == 5
     assert kinds(events, "launcher_exit")[0]["exit_code"] == ExitCode.MONITOR_LOST
     assert max(step for _, step in steps(events_file)) < 2000  # stopped, not trained to the end unwatched
+
+
+def test_a_worker_killed_while_writing_its_error_record_is_restarted(tmp_path):
+    """torch's poll reads a failed worker's error pickle; an empty one (the worker was killed
+    between creating and writing it) made it raise EOFError, and ft_launcher died with it."""
+    marker = tmp_path / "finished"
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "1",
+                           os.path.join(SCRIPTS, "torn_error_file.py"), str(marker)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert sorted(marker.read_text().split()) == ["0:1", "1:1"]
+    assert "error record could not be read" in result.stdout

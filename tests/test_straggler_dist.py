@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import random
+import statistics
 import time
 
 import pytest
@@ -176,13 +177,15 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
     flagged = {s[0] for r in reports for s in r["stragglers"]}
     assert flagged == {2, 3}, reports
     # Scores ~ 1/k: 1/1.5 = 0.67 and 1/2.5 = 0.4 (sleep overshoot pulls them slightly up).
-    for rep in reports[inject_after + 1 :]:
-        for kind in ("relative", "individual"):
-            fwd = rep[kind]["fwd"]
-            assert fwd["3"] == pytest.approx(1 / 2.5, abs=0.15), (kind, rep)
-            assert fwd["2"] == pytest.approx(1 / 1.5, abs=0.15), (kind, rep)
-            assert fwd["3"] < fwd["2"] < min(fwd["0"], fwd["1"]), (kind, rep)
-            assert fwd["0"] > 0.8 and fwd["1"] > 0.8, (kind, rep)
+    # Each rank's median over the slowed reports: on a loaded node one report of a fast rank
+    # can read 0.6 (its wake-ups lagged for that whole interval; it is not flagged for it).
+    after = reports[inject_after + 1 :]
+    for kind in ("relative", "individual"):
+        fwd = {r: statistics.median(rep[kind]["fwd"][r] for rep in after) for r in "0123"}
+        assert fwd["3"] == pytest.approx(1 / 2.5, abs=0.15), (kind, fwd, after)
+        assert fwd["2"] == pytest.approx(1 / 1.5, abs=0.15), (kind, fwd, after)
+        assert fwd["3"] < fwd["2"] < min(fwd["0"], fwd["1"]), (kind, fwd, after)
+        assert fwd["0"] > 0.8 and fwd["1"] > 0.8, (kind, fwd, after)
     # Everyone waits for rank 3 in the (wrapped) all_reduce; it waits least.
     assert all(r["wrapped"] and r["restored"] for r in results)
     last = reports[-1]

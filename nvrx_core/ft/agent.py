@@ -7,7 +7,8 @@ subclass only hooks into its extension points:
   0 on a new port), so restarted workers can never read the previous attempt's keys
   (pytorch#135712: torch reuses the rendezvous store, and restarted workers picked up stale
   process-group keys about half the time);
-- on failure: events, a record of which ranks died how, terminal exit codes that must not
+- on failure (also a worker killed while writing its error record for torch): events, a
+  record of which ranks died how, terminal exit codes that must not
   be retried (preempted, straggler stop, rerun verdicts), and a limit on restart cycles
   that made no progress;
 - stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
@@ -15,6 +16,7 @@ subclass only hooks into its extension points:
 
 import dataclasses
 import logging
+import pickle
 import time
 import uuid
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -22,13 +24,14 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 from torch.distributed import TCPStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
-from nvrx_core.torch_compat import check_agent_hooks, restarts_left
+from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -195,7 +198,10 @@ class FaultTolerantAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._supervise_monitor()
-        result = super()._monitor_workers(worker_group)
+        try:
+            result = super()._monitor_workers(worker_group)
+        except (EOFError, pickle.UnpicklingError) as e:
+            result = self._failed_without_a_readable_error(worker_group, e)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and not self._failure_reported:
             self._failure_reported = True
             self.last_failures = {rank: f.exitcode for rank, f in result.failures.items()}
@@ -206,6 +212,22 @@ class FaultTolerantAgent(LocalElasticAgent):
                 self._stop_workers(worker_group)
                 raise LauncherStop(terminal[0], f"a worker exited with {ExitCode(terminal[0]).name}; not restarting")
         return result
+
+    def _failed_without_a_readable_error(self, worker_group: WorkerGroup, error: Exception) -> RunResult:
+        """A worker killed while it wrote its traceback for torch (the node monitor's kill of a
+        hung rank, torch's own stop of the others) leaves an empty or cut-off pickle, and torch's
+        poll raises reading it instead of reporting the failure. The failure is what counts:
+        every worker that exited non-zero, with its exit code, and the restart goes on."""
+        failures = {}
+        exits = worker_exits(self)
+        for worker in worker_group.workers:
+            pid, code = exits.get(worker.local_rank, (-1, None))
+            if code not in (None, 0):
+                failures[worker.global_rank] = ProcessFailure(local_rank=worker.local_rank, pid=pid, exitcode=code,
+                                                              error_file="")
+        logger.warning("a failed worker's error record could not be read (%s: %s); failed ranks %s",
+                       type(error).__name__, error, {rank: f.exitcode for rank, f in failures.items()})
+        return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         self._check_progress()
