@@ -47,6 +47,15 @@ def test_a_process_with_no_group_yet_is_at_no_position():
     assert decode(collective_trace.collectives_message().rstrip(b"\n"))["groups"] == {}
 
 
+def test_a_process_without_torch_answers_without_importing_it():
+    """The answer comes from the rank's link thread; a seconds-long `import torch` there would
+    overlap the monitor's stack dump signal (faulthandler crashed such a rank, in dump_traceback)."""
+    code = ("import sys; from nvrx_core.ft.collective_trace import collectives_message; "
+            "print(collectives_message().decode().strip(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert decode(out[0].encode())["groups"] == {} and out[1] == "False"
+
+
 def test_the_exception_that_ends_a_rank_is_recorded_and_still_printed(tmp_path):
     events_file = str(tmp_path / "events.jsonl")
     script = ("from nvrx_core.events import EventLog\n"

@@ -15,6 +15,7 @@ the GIL held, or stopped, does not answer, and that silence is evidence too.
 """
 
 import json
+import sys
 from typing import Any, Dict
 
 DEFAULT_BUFFER_ENTRIES = 2000
@@ -56,6 +57,11 @@ def summarize_flight_recorder(raw: Dict[str, Any]) -> Dict[str, dict]:
 
 def collective_positions() -> Dict[str, dict]:
     """This process's summary (see summarize_flight_recorder); empty before any group exists."""
+    if "torch" not in sys.modules:
+        # No process group without torch. Importing it here would run the link thread through
+        # seconds of Python while the monitor's stack dump signal arrives, and faulthandler's
+        # all-thread dump can crash on a thread that runs Python meanwhile.
+        return {}
     # imported here: the client imports this module, and `ft_launcher` (nvrx_core.ft.command)
     # must stay torch-free so the fork server's import of torch overlaps the launcher's
     from nvrx_core import torch_compat
