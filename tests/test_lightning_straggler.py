@@ -1,8 +1,8 @@
 """NVRxStragglerDetection in real Lightning fits on CPU.
 
 A two-rank DDP job under ft_launcher (tests/scripts/lightning_straggler_job.py) where rank
-1's forward takes 1.4x as long (throughput ~30% lower): rank 1 is named by the second
-report, rank 0 logs the scores through the Trainer's loggers, and with stop_if_detected
+1's forward takes twice as long (1.4x was blurred above the 0.8 threshold for a report on a
+loaded CI node, where a sleeping rank wakes late): rank 1 is named by the second report, rank 0 logs the scores through the Trainer's loggers, and with stop_if_detected
 every rank saves the checkpoint and exits 19, as does the launcher. Single-process tests
 run the Trainer in this process (devices=1, no torch.distributed).
 """
@@ -51,7 +51,7 @@ def score_rows(rows):
 def test_slow_rank_named_by_the_second_report_scores_logged_then_checkpoint_and_exit_19(tmp_path):
     out, events_file = str(tmp_path), str(tmp_path / "events.jsonl")
     done = run_launcher(["--nproc-per-node", "2", "--max-restarts", "1", "--events-file", events_file,
-                         JOB, "--out", out, "--slow-rank", "1", "--slow-factor", "1.4", "--threshold", "0.8",
+                         JOB, "--out", out, "--slow-rank", "1", "--slow-factor", "2.0", "--threshold", "0.8",
                          "--report-time-interval", "0.5", "--stop-if-detected"], timeout=200)
     assert done.returncode == STOP, done.stdout[-4000:]
     results = [read_json(os.path.join(out, f"result.rank{r}.json")) for r in range(2)]
@@ -71,7 +71,7 @@ def test_slow_rank_named_by_the_second_report_scores_logged_then_checkpoint_and_
     assert rows and not score_rows(logged(out, 1))
     assert len({row["gpu_relative_perf/min"] for row in rows}) == results[0]["last_report"] - 1
     for row in rows:
-        assert 0.6 < row["gpu_relative_perf/min"] < 0.8, row                            # rank 1: ~1/1.4
+        assert 0.35 < row["gpu_relative_perf/min"] < 0.8, row                           # rank 1: ~1/2
         assert row["gpu_relative_perf/max"] == pytest.approx(1.0), row                 # rank 0
 
 
