@@ -25,7 +25,9 @@ WORKER = Path(__file__).with_name("test_rerun_worker.py")
 SUSPECT = "node-a/cpu:0"
 OTHER = "node-b/cpu:0"  # a different device identity: the simulated "other GPU"
 
-pytestmark = pytest.mark.timeout(120)
+# A test here runs up to five worker processes one after another (each bounded by its own 100 s):
+# on a loaded node with four pytest workers, 120 s for the whole test was too little.
+pytestmark = pytest.mark.timeout(400)
 
 
 def run_process(out: Path, tag: str, *args: str) -> dict:
