@@ -3,8 +3,8 @@
 ft_launcher extends torchrun and torch.distributed.elastic through names that are not
 public API: torchrun's argument parser and config builder, the elastic agent's protected
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
-restarts, the processes of its workers. The in-process Wrapper lists every process group through c10d's private registry
-and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
+restarts, the processes of its workers. The in-process Wrapper lists every process group
+through c10d's private registry and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
 C++ reference count to know when gloo's thread has let go of it. A torch release may rename or drop any
 of them; the symptom would then be a launcher that silently stops restarting, an abort
 that does nothing, or ranks that name their next process group differently and hang. Every such use goes through this module, which checks the name when it

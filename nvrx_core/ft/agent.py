@@ -7,10 +7,10 @@ subclass only hooks into its extension points:
   0 on a new port), so restarted workers can never read the previous attempt's keys
   (pytorch#135712: torch reuses the rendezvous store, and restarted workers picked up stale
   process-group keys about half the time);
-- on failure (also a worker killed while writing its error record for torch): events, a
-  record of which ranks died how, terminal exit codes that must not
-  be retried (preempted, straggler stop, rerun verdicts), and a limit on restart cycles
-  that made no progress;
+- on failure (also of a worker killed while writing its error record for torch): events,
+  a record of which ranks died how, terminal exit codes that must not be retried
+  (preempted, straggler stop, rerun verdicts), and a limit on restart cycles that made no
+  progress;
 - stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
 """
 
