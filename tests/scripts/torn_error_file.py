@@ -1,7 +1,9 @@
 """A worker killed while it writes its error record: in cycle 0, rank 1 creates the error file
 torch's spawn wrapper gave it (empty, as `open(path, "wb")` leaves it before the pickle is
-written) and is SIGKILLed; rank 0 waits to be stopped. Cycle 1 appends a line to --marker
-and finishes. Warm start only: cold-started workers have no such file."""
+written) and is SIGKILLed; rank 0 waits to be stopped. Cycle 1 appends "RANK:CYCLE" to the
+file named by the first argument and finishes. Warm start only: cold-started workers have no
+such file. The file's path is found in torch's spawn wrapper's frame (`_wrap`'s `error_file`),
+a torch internal this test script alone relies on; it fails naming that if torch changes."""
 import os
 import signal
 import sys
