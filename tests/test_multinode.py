@@ -14,8 +14,11 @@ from nvrx_core.report.build import build_report
 
 pytestmark = pytest.mark.timeout(300)
 
-def job(run, steps=120):
-    return ["-m", "nvrx_core.demo.train", "--steps", str(steps), "--step-time", "0.05", "--ckpt-every", "10",
+def job(run, step_time=0.4):
+    """150 steps; the weights depend only on the steps taken, not on their pace. At 0.4 s a step the
+    job outlasts what a test does while it trains (spares starting take ~30 s on a loaded machine:
+    a job of 6 s was over before they arrived); the fault-free reference runs at full speed."""
+    return ["-m", "nvrx_core.demo.train", "--steps", "150", "--step-time", str(step_time), "--ckpt-every", "2",
             "--ckpt-dir", str(run / "ckpt"), "--hash-file", str(run / "weights.sha")]
 
 
@@ -27,7 +30,7 @@ def finish(nodes, timeout=180):
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     run = tmp_path_factory.mktemp("fault_free")
-    with LocalCluster(str(run), job(run)) as cluster:
+    with LocalCluster(str(run), job(run, step_time=0.0)) as cluster:
         nodes = [cluster.start("a"), cluster.start("b")]
         finish(nodes)
     return (run / "weights.sha").read_text()
@@ -70,7 +73,7 @@ def test_without_a_spare_the_job_waits_for_a_replacement_node_with_the_lost_infr
     """Ranks from the scheduler (--ft-use-infra-group-rank, $SLURM_PROCID); no spare: the survivor
     waits until the scheduler brings a node back with the lost one's rank."""
     flags = ["--max-restarts", "3", "--ft-use-infra-group-rank"]
-    with LocalCluster(str(tmp_path), job(tmp_path), flags=flags) as cluster:
+    with LocalCluster(str(tmp_path), job(tmp_path, step_time=0.1), flags=flags) as cluster:
         a = cluster.start("a", env={"SLURM_PROCID": "1"})
         b = cluster.start("b", env={"SLURM_PROCID": "0"})
         wait_for(lambda: checkpoint_after([a, b], 0), 120, "a first checkpoint")
