@@ -299,7 +299,7 @@ class SavePipeline:
             os.makedirs(pending.directory, exist_ok=True)
             entries = write_shard(staged, pending.directory, pending.rank, self._pool,
                                   self.writer_threads, self.config.checksum,
-                                  self.config.chunk_bytes, pending.cancel)
+                                  self.config.chunk_bytes, pending.cancel, self.config.direct_io)
         except BaseException as e:  # reported to the training thread, never swallowed
             error = e
         finally:

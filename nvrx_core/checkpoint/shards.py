@@ -17,15 +17,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from nvrx_core.checkpoint.direct_io import DataFile
 from nvrx_core.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from nvrx_core.checkpoint.layout import Checksum, FileEntry, check_entry, rank_prefix
 from nvrx_core.checkpoint.staging import StagedState, unflatten
 
 INDEX_FORMAT = 1
 CACHE_PIECE_BYTES = 512 << 10
-"""Checksummed bytes go out in pieces this small: each is checksummed and then written
-while it is still in the CPU cache, so the write reads the staging buffer from memory once
-instead of twice. With a memory-bound training step running on a 2-core VM this cut the
+"""Without O_DIRECT, checksummed bytes go out in pieces this small: each is checksummed and
+then written while it is still in the CPU cache, so the kernel's copy into the page cache
+reads the staging buffer from memory once instead of twice. With a memory-bound training step running on a 2-core VM this cut the
 step time lost to writing 1 GiB from ~1.6 s to ~0.55 s (64 MiB pieces vs 256-512 KiB)."""
 
 
@@ -64,7 +65,7 @@ class _Placement:
 
 def write_shard(staged: StagedState, directory: str, rank: int, pool: concurrent.futures.Executor,
                 threads: int, checksum_algo: str, chunk_bytes: int,
-                cancel: threading.Event) -> List[FileEntry]:
+                cancel: threading.Event, direct_io: bool = True) -> List[FileEntry]:
     """Write `staged` as rank `rank`'s files in `directory`; returns their manifest entries."""
     prefix = rank_prefix(rank)
     sizes = [t.numel() * t.element_size() for t in staged.tensors]
@@ -78,7 +79,7 @@ def write_shard(staged: StagedState, directory: str, rank: int, pool: concurrent
             offset += sizes[i]
         tensors = [staged.tensors[i] for i in indices]
         jobs.append(pool.submit(_write_data_file, os.path.join(directory, name), tensors,
-                                checksum_algo, chunk_bytes, cancel))
+                                checksum_algo, chunk_bytes, cancel, direct_io))
     index = {
         "format": INDEX_FORMAT,
         "skeleton": staged.skeleton,
@@ -112,25 +113,25 @@ def _write_small_file(path: str, data: bytes, checksum_algo: str) -> FileEntry:
 
 
 def _write_data_file(path: str, tensors: List[torch.Tensor], checksum_algo: str,
-                     chunk_bytes: int, cancel: threading.Event) -> FileEntry:
+                     chunk_bytes: int, cancel: threading.Event, direct_io: bool) -> FileEntry:
     checksum = Checksum(checksum_algo)
-    size = 0
-    with open(path, "xb", buffering=0) as f:
+    with DataFile(path, direct_io) as out:
         for tensor in tensors:
             view = byte_view(tensor)
             for start in range(0, len(view), chunk_bytes):
                 if cancel.is_set():
                     raise SaveAborted(f"save aborted while writing {path}")
                 chunk = view[start:start + chunk_bytes]
+                if out.direct:  # the device reads the bytes itself: no cache to keep them in
+                    checksum.update(chunk)
+                    out.write(chunk)
+                    continue
                 piece_bytes = CACHE_PIECE_BYTES if checksum_algo != "none" else len(chunk)
                 for offset in range(0, len(chunk), piece_bytes):
                     piece = chunk[offset:offset + piece_bytes]
                     checksum.update(piece)
-                    written = 0
-                    while written < len(piece):
-                        written += f.write(piece[written:])
-                size += len(chunk)
-        os.fsync(f.fileno())
+                    out.write(piece)
+        size = out.finish()
     return FileEntry(os.path.basename(path), size, checksum.value)
 
 

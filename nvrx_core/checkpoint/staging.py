@@ -31,7 +31,9 @@ logger = logging.getLogger("nvrx.checkpoint")
 
 Signature = Tuple[Tuple[Tuple[int, ...], torch.dtype], ...]
 _COPY_CHUNK = 16 << 20
-_ALIGN = 64
+_ALIGN = 4096
+"""Each staging buffer starts on a page: the O_DIRECT writer (direct_io.py) can then write
+a tensor straight from it, without a bounce copy."""
 
 
 @dataclasses.dataclass
