@@ -2,6 +2,7 @@
 background write slows the steps that run meanwhile.
 
     .venv/bin/python bench/checkpoint.py [--peer-python PATH] [--gib 1.0] [--saves 3]
+        [--train-gib 1] [--threads N] [--training-only]
 
 Same run, same 1 GiB CPU state dict (64 float32 tensors), written to a temp dir under /tmp:
   ours             nvrx_core.checkpoint.AsyncCheckpointer (staging buffers reused)
@@ -9,7 +10,8 @@ Same run, same 1 GiB CPU state dict (64 float32 tensors), written to a temp dir 
   dcp.async_save   torch.distributed.checkpoint.async_save on a 1-rank gloo group
   nvrx-0.4.1       nvidia-resiliency-ext's async checkpoint queue, run in the peer venv
 Blocking time = time inside the save call plus every finalize/poll call made while the
-write runs. Then a real training loop with 1 GiB of weights (TrainingLoop) saves with
+write runs. Then a real training loop with 1 GiB of weights (TrainingLoop; --train-gib 4 for
+4 GiB, --threads 1 for a trainer on one thread, --training-only for that part alone) saves with
 ours staging="overlapped" (blocked = save() + wait_staged() before optimizer.step() +
 polls) and "blocking", torch.save, dcp.async_save, and dcp.async_save with its own async
 staging, in the same run. With a CUDA device, a GPU section times a 4 GiB CUDA state.
@@ -24,7 +26,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -190,12 +192,14 @@ class TrainingLoop:
     reads every weight three times), then an in-place SGD update (foreach) of every
     weight. The state saved is model.state_dict(): 1 GiB in 64 tensors."""
 
-    def __init__(self):
+    def __init__(self, gib: int = 1):
         torch.manual_seed(2)
+        self.width = WIDTH * round(gib ** 0.5)  # 1 GiB: 2048; 4 GiB: 4096
+        self.gib = LAYERS * self.width ** 2 * 4 / (1 << 30)
         self.model = torch.nn.Sequential(
-            *[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+            *[torch.nn.Linear(self.width, self.width, bias=False) for _ in range(LAYERS)])
         self.optim = torch.optim.SGD(self.model.parameters(), lr=1e-6, foreach=True)
-        self.batch = torch.randn(BATCH, WIDTH)
+        self.batch = torch.randn(BATCH, self.width)
 
     def step(self, before_update=lambda: None) -> None:
         self.optim.zero_grad(set_to_none=False)    # gradient buffers kept across steps
@@ -366,8 +370,9 @@ def staging_slowdown(loop: TrainingLoop, repeats: int) -> dict:
     return {name: values[1:] for name, values in ratios.items()}
 
 
-def report_training(workdir: str, saves: int, blocking_ratio: float, blocking_vs_dcp: float) -> None:
-    loop = TrainingLoop()
+def report_training(workdir: str, saves: int, blocking_ratio: Optional[float],
+                    blocking_vs_dcp: Optional[float], gib: int = 1) -> None:
+    loop = TrainingLoop(gib)
     for _ in range(2):
         loop.step()                                # warm: gradient buffers, allocator
     # ours and DCP with its own async staging reuse staging memory: +1 save, the first is
@@ -385,8 +390,8 @@ def report_training(workdir: str, saves: int, blocking_ratio: float, blocking_vs
     # no write steps: the save was durable by the end of its own step (1.00x: no slowdown)
     med = {name: {k: statistics.median(v) if v else 1.0 for k, v in r.items()}
            for name, r in runs.items()}
-    print(f"# training loop: {LAYERS}-layer MLP, {WIDTH}x{WIDTH} float32 weights (1 GiB), batch "
-          f"{BATCH}, SGD foreach; save at the top of a step, wait_staged() right before "
+    print(f"# training loop: {LAYERS}-layer MLP, {loop.width}x{loop.width} float32 weights "
+          f"({loop.gib:g} GiB), batch {BATCH}, SGD foreach, {torch.get_num_threads()} torch threads; save at the top of a step, wait_staged() right before "
           f"optimizer.step(); median undisturbed step "
           f"{statistics.median(sum((r['quiet'] for r in runs.values()), [])):.3f} s")
     for name, r in runs.items():
@@ -418,6 +423,8 @@ def report_training(workdir: str, saves: int, blocking_ratio: float, blocking_vs
                  "dcp_async_staging": "dcp.async_save+async staging"}.get(peer, peer)
         print(f"checkpoint_loop_time_lost: ours {o['lost']:.3f} s, peer({label}) "
               f"{med[peer]['lost']:.3f} s, ratio {o['lost'] / med[peer]['lost']:.3f}")
+    if blocking_ratio is None:  # --training-only: no blocking-staging part to compare with
+        return
     ratio_t = o["blocked"] / med["torch.save"]["blocked"]
     ratio_d = o["blocked"] / med["dcp"]["blocked"]
     print(f"checkpoint_acceptance: blocking per save <= 10% of torch.save: staging=blocking "
@@ -506,6 +513,10 @@ def main() -> None:
     parser.add_argument("--peer-python", default=None)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--train-gib", type=int, choices=(1, 4), default=1,
+                        help="weights of the training loop part (4 GiB needs ~14 GB of memory)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--training-only", action="store_true", help="only the training loop part")
     parser.add_argument("--peer-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -521,6 +532,11 @@ def main() -> None:
 
 def run(args, workdir: str) -> None:
     init_single_rank_group()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.training_only:
+        report_training(workdir, max(3, args.saves), None, None, args.train_gib)
+        return
     state = make_state(args.gib)
     loop = ComputeLoop()
     saves = max(3, args.saves)
@@ -548,7 +564,7 @@ def run(args, workdir: str) -> None:
           f"ratio {so / sd:.3f}  (median step time while the write runs / median step time "
           f"just before: {ours['baseline_step'] * 1e3:.2f} ms, {dcp_result['baseline_step'] * 1e3:.2f} ms)")
     del ours, dcp_result, state
-    report_training(workdir, saves, blocking_ratio=o / t, blocking_vs_dcp=o / d)
+    report_training(workdir, saves, blocking_ratio=o / t, blocking_vs_dcp=o / d, gib=args.train_gib)
     if args.peer_python:
         peer = run_peer(args.peer_python, args.gib, saves, workdir)
         if "error" in peer:
