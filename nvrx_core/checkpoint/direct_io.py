@@ -38,10 +38,13 @@ class DataFile:
     Use as a context manager; finish() writes the tail, fsyncs and returns the size."""
 
     def __init__(self, path: str, direct: bool):
-        self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self.size = 0
-        self.direct = direct and hasattr(os, "O_DIRECT") and self._set_direct(True)
+        try:
+            self.direct = direct and hasattr(os, "O_DIRECT") and self._set_direct(True)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self._bounce: Optional[mmap.mmap] = None
         self._bounce_view: Optional[memoryview] = None
         self._fill = 0

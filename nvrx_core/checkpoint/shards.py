@@ -26,8 +26,9 @@ INDEX_FORMAT = 1
 CACHE_PIECE_BYTES = 512 << 10
 """Without O_DIRECT, checksummed bytes go out in pieces this small: each is checksummed and
 then written while it is still in the CPU cache, so the kernel's copy into the page cache
-reads the staging buffer from memory once instead of twice. With a memory-bound training step running on a 2-core VM this cut the
-step time lost to writing 1 GiB from ~1.6 s to ~0.55 s (64 MiB pieces vs 256-512 KiB)."""
+reads the staging buffer from memory once instead of twice. With a memory-bound training
+step running on a 2-core VM this cut the step time lost to writing 1 GiB from ~1.6 s to
+~0.55 s (64 MiB pieces vs 256-512 KiB)."""
 
 
 class SaveAborted(CheckpointError):
