@@ -11,7 +11,7 @@ O_DIRECT wants the memory address, the length and the file offset of every write
 to the device's block. The file stays one unpadded stream of tensor bytes (the format does
 not change): an aligned stretch of a buffer is written straight from it, anything else goes
 through an aligned bounce buffer, and the last block is padded and the file truncated back
-to its true size. A filesystem that refuses O_DIRECT (tmpfs, some network filesystems), at
+to its true size. A filesystem that refuses O_DIRECT (older tmpfs, some network filesystems), at
 open or at the first write, gets the rest of the file through the page cache as before.
 """
 
