@@ -110,6 +110,23 @@ def test_the_rank_that_raised_first_is_blamed_not_the_peer_that_failed_after_it(
     assert any("SimulatedFaultError" in line and "step (train.py:7)" in line for line in v.evidence)
 
 
+def test_a_rank_that_vanished_first_with_no_exception_is_the_one_killed():
+    events = crash_cycle({0: 1}, [(4.5, 0, "torch.distributed.DistBackendError",
+                                   "[gloo] Connection closed by peer [127.0.0.1]:4242")])
+    events[2:2] = [e(4.0, "rank_disconnected", 0, rank=1), e(4.6, "rank_disconnected", 0, rank=0)]
+    v = verdict(events)
+    assert (v.kind, v.culprits, v.waiting) == (a.KILLED, [1], [0])
+
+
+def test_a_peer_stopped_after_the_raising_rank_failed_is_not_blamed():
+    """torch stops the other workers before the agent reports the failure: rank 1's
+    connection drops after rank 0 raised and exited, still before workers_failed."""
+    events = crash_cycle({0: 1}, [(4.0, 0, "nvrx_core.ft.faults.SimulatedFaultError", "simulated fault")])
+    events[3:3] = [e(4.05, "rank_disconnected", 0, rank=0), e(4.09, "rank_disconnected", 0, rank=1)]
+    v = verdict(events)
+    assert (v.kind, v.culprits) == (a.EXCEPTION, [0]), v
+
+
 def test_preemption_blames_no_rank():
     events = cycle_start(0, 0) + [
         e(3, "preemption_agreed", 0, rank=0, step=12, signals_here=["SIGTERM"]),
