@@ -1,14 +1,15 @@
-"""Ranks as spawned processes around a TCPStore hosted by the test: each runs
+"""Ranks as processes (from a preloaded fork server) around a TCPStore hosted by the test: each runs
 `target(rank, world, store_port, out_dir)`; every one must exit 0 in time, none outlives the test."""
 
-import multiprocessing
 import time
 
 import torch.distributed as dist
 
+import warm_python
+
 
 def run_spawned_ranks(target, world: int, out_dir: str, timeout: float = 120.0) -> None:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm_python.forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = [ctx.Process(target=target, args=(r, world, store.port, out_dir)) for r in range(world)]
     for p in procs:

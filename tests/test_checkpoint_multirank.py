@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import warm_python
+
 HERE = os.path.abspath(__file__)
 
 
@@ -35,8 +37,8 @@ def launch(scenario: str, world_size: int, args: dict, timeout: float = 150.0) -
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                    NVRX_TEST_STORE_PORT=str(store.port), OMP_NUM_THREADS="1")
         log = open(os.path.join(out, f"{scenario}.rank{rank}.log"), "w")
-        procs.append((subprocess.Popen([sys.executable, HERE, scenario, json.dumps(args)],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append((warm_python.popen([HERE, scenario, json.dumps(args)],
+                                        env=env, stdout=log, stderr=warm_python.STDOUT), log))
     deadline = time.monotonic() + timeout
     try:
         for proc, _ in procs:

@@ -6,7 +6,6 @@ path that touched CUDA would fail the test, not just waste time.
 
 import datetime
 import json
-import multiprocessing
 import os
 import threading
 import time
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from nvrx_core import collectives
 from nvrx_core.collectives import Collectives, group_device, is_distributed
+import warm_python
 
 BIG = 2 ** 62 + 1  # not representable as a float64: ints must travel as int64
 
@@ -124,7 +124,7 @@ def _exercise_late_release(coll, rank, hold_s=0.3):
 
 
 def _run_ranks(world, out_dir, deadline_s=120.0):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm_python.forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(out_dir))) for r in range(world)]
     for p in procs:

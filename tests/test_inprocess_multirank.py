@@ -8,7 +8,6 @@ coordination store, as ft_launcher's agent does, so it survives any rank's death
 import ctypes
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -20,13 +19,12 @@ import torch.distributed as dist
 
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
+import warm_python
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from inprocess_ddp import resume  # noqa: E402  (the example's own restore, tested here on 4 ranks)
 
 WORLD = 4
-CTX = multiprocessing.get_context("forkserver")
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "nvrx_core.inprocess"]
 FAST = dict(soft_timeout=3.0, hard_timeout=6.0, heartbeat_interval=0.2, heartbeat_timeout=5.0, monitor_interval=0.1,
             barrier_timeout=30.0, completion_timeout=30.0, termination_grace=1.0)
 STEPS = 16
@@ -167,12 +165,12 @@ def launch(tmp_path, job, params, timeout=90.0, world=WORLD, store_port=None, du
     during(procs): called once the ranks started, to act on them or on the store meanwhile.
     """
     outdir = str(tmp_path)
-    CTX.set_forkserver_preload(PRELOAD)  # takes effect if this starts the fork server
+    ctx = warm_python.forkserver_context()
     store = None
     if store_port is None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         store_port = store.port
-    procs = [CTX.Process(target=_rank_main, args=(job, r, world, store_port, params, outdir)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(job, r, world, store_port, params, outdir)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

@@ -12,7 +12,6 @@ import logging
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from waiting import wait_for
+import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")
@@ -204,9 +204,9 @@ def test_teardown_on_an_exception_path_logs_the_background_error(tmp_path, monke
 def test_a_process_killed_mid_save_keeps_the_previous_checkpoint(tmp_path):
     dirpath, expected, marker = str(tmp_path / "ckpt"), str(tmp_path / "expected.pt"), str(tmp_path / "stalled")
     log = open(tmp_path / "child.log", "w+")
-    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "lightning_ckptio_killed.py"),
-                             dirpath, expected, marker], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO, start_new_session=True)
+    proc = warm_python.popen([os.path.join(SCRIPTS, "lightning_ckptio_killed.py"), dirpath, expected, marker],
+                             stdout=log, stderr=warm_python.STDOUT, cwd=REPO, start_new_session=True,
+                             preload=warm_python.LIGHTNING)
     try:
         wait_for(lambda: os.path.exists(marker) or proc.poll() is not None, timeout=180,
                  what="the child's save of last.ckpt to reach its data fsync")
@@ -243,9 +243,9 @@ def test_ddp_only_global_rank_zero_writes_and_every_rank_resumes_from_last(tmp_p
     dirpath, out = str(tmp_path / "ckpt"), tmp_path / "out"
     out.mkdir()
     log = open(tmp_path / "ddp.log", "w+")
-    proc = subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "lightning_ckptio_ddp.py"),
-                             dirpath, str(out)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            start_new_session=True)
+    proc = warm_python.popen([os.path.join(SCRIPTS, "lightning_ckptio_ddp.py"), dirpath, str(out)],
+                             stdout=log, stderr=warm_python.STDOUT, cwd=REPO, start_new_session=True,
+                             preload=warm_python.LIGHTNING)
     try:
         proc.wait(timeout=280)
     finally:

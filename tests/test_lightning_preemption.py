@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds
+import warm_python
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
@@ -53,10 +54,11 @@ class Job:
                        TORCHELASTIC_RUN_ID="nvrx-test", TORCHELASTIC_USE_AGENT_STORE="True",
                        TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
+                self.procs.append(warm_python.popen(
+                    [JOB, "--out", out, "--max-steps", str(MAX_STEPS),
                      "--check-every", str(CHECK_EVERY), "--pace-s", "0", *args],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                    env=env, stdout=log, stderr=warm_python.STDOUT, start_new_session=True,
+                    preload=warm_python.LIGHTNING))
 
     def finish(self, timeout=150.0):
         deadline = time.monotonic() + timeout

@@ -6,13 +6,14 @@ and a second SIGTERM arrives while the checkpoint is being written."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+
+import warm_python
 
 HERE = os.path.abspath(__file__)
 TOTAL_STEPS = 150
@@ -86,8 +87,7 @@ def start_job(ckpt_root: str, out: str, events: str) -> list:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1",
                    NVRX_TEST_STORE_PORT=str(store.port), NVRX_EVENTS_FILE=events)
         log = open(os.path.join(out, f"rank{rank}.log"), "w")
-        procs.append(subprocess.Popen([sys.executable, HERE, ckpt_root, out], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(warm_python.popen([HERE, ckpt_root, out], env=env, stdout=log, stderr=warm_python.STDOUT))
         log.close()
     return procs, store
 

@@ -9,14 +9,14 @@ different injected DeviceIdentity when it resumes.
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import List
 
 import pytest
 
 from nvrx_core.rerun import read_rejected_results
+
+import warm_python
 
 WORKER = Path(__file__).with_name("test_rerun_worker.py")
 
@@ -32,10 +32,10 @@ def free_port() -> int:
 def run_ranks(out: Path, tag: str, *args: str) -> List[dict]:
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), "--out", str(out), "--tag", tag, *args],
+        warm_python.popen(
+            [str(WORKER), "--out", str(out), "--tag", tag, *args],
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=warm_python.DEVNULL, stderr=warm_python.PIPE, text=True,
         )
         for rank in range(2)
     ]

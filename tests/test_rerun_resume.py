@@ -11,8 +11,6 @@ different injected DeviceIdentity (--identity node-b/cpu:0).
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 from nvrx_core.events import read_events
 from nvrx_core.rerun import iterations_to_skip, read_rejected_results
 from test_rerun_worker import parse_args, train
+import warm_python
 
 WORKER = Path(__file__).with_name("test_rerun_worker.py")
 SUSPECT = "node-a/cpu:0"
@@ -31,14 +30,18 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def run_process(out: Path, tag: str, *args: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), "--out", str(out), "--tag", tag, *args],
-        capture_output=True, text=True, timeout=100,
-    )
+    proc = warm_python.popen([str(WORKER), "--out", str(out), "--tag", tag, *args],
+                             stdout=warm_python.DEVNULL, stderr=warm_python.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=100)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     result_file = out / f"result-{tag}-rank0.json"
-    assert result_file.exists(), f"worker {tag} left no result (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert result_file.exists(), f"worker {tag} left no result (rc {proc.returncode}):\n{err[-3000:]}"
     result = json.loads(result_file.read_text())
-    assert proc.returncode == result["exit_code"], proc.stderr[-3000:]
+    assert proc.returncode == result["exit_code"], err[-3000:]
     return result
 
 

@@ -12,7 +12,6 @@ section lasts what the test says it does; waits in the all_reduce stay real.
 
 import datetime
 import json
-import multiprocessing
 import os
 import random
 import time
@@ -25,6 +24,7 @@ from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import EVENTS_FILE_ENV, STRAGGLER_FOUND, read_events
 from nvrx_core.report import attribution
 from nvrx_core.report.attribution import attribute
+import warm_python
 from nvrx_core.report.plot import straggler_matrix
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.straggler import INDIVIDUAL, OVERALL, RELATIVE, Detector, StragglerConfig
@@ -48,7 +48,7 @@ def _rank_main(worker, rank, world, port, out_dir, params):
 
 def run_ranks(worker, world, out_dir, params, deadline_s=100.0):
     """Run worker on `world` spawned ranks; returns (exit codes, per-rank results or None)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = warm_python.forkserver_context()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     procs = [
         ctx.Process(target=_rank_main, args=(worker, r, world, store.port, str(out_dir), params)) for r in range(world)

@@ -10,7 +10,6 @@ writes OUT_DIR/rank{R}.json.
 import hashlib
 import json
 import os
-import signal
 import sys
 
 import torch
