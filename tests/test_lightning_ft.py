@@ -36,6 +36,7 @@ def fit_under_launcher(root, timeouts, *job_args, max_steps=30, restarts=3):
     flag = root / "finished.flag"
     result = run_launcher(
         ["--nproc-per-node", "2", "--max-restarts", str(restarts), "--events-file", str(root / "events.jsonl"),
+         "--warm-start-preload", "lightning.pytorch,nvrx_lightning",  # as docs/lightning.md advises
          *LEARNING, *timeouts, JOB, "--root", str(root), "--max-steps", str(max_steps), *job_args],
         timeout=280, env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
     results = [json.loads((root / f"result.rank{r}.json").read_text())
