@@ -1,7 +1,7 @@
 """The warm-python helper behaves like `python script.py` where the tests depend on it: exit
 codes (SystemExit, an uncaught exception, a signal), atexit handlers and non-daemon threads at
-exit, sys.argv, __name__, sys.path, environment, working directory, streams, a new session,
-OMP_NUM_THREADS; and each child is a process of its own."""
+exit, sys.argv, __name__, sys.path (PYTHONPATH too), environment, working directory, streams, a new
+session, OMP_NUM_THREADS; and each child is a process of its own."""
 
 import os
 import signal
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "report":
         print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0], "cwd": os.getcwd(),
-                          "env": os.environ.get("WARM_TEST"), "pid": os.getpid(), "sid": os.getsid(0),
+                          "env": os.environ.get("WARM_TEST"), "path1": sys.path[1], "pid": os.getpid(), "sid": os.getsid(0),
                           "threads": torch.get_num_threads()}))
     elif mode == "exit":
         sys.exit(int(sys.argv[2]))
@@ -53,12 +53,12 @@ def test_a_child_sees_what_a_new_interpreter_would(script, tmp_path):
     import json
 
     code, out, _ = run([script, "report", "x"], cwd=str(tmp_path),
-                       env=dict(os.environ, WARM_TEST="yes", OMP_NUM_THREADS="1"))
+                       env=dict(os.environ, WARM_TEST="yes", OMP_NUM_THREADS="1", PYTHONPATH=str(tmp_path)))
     seen = json.loads(out)
     assert code == 0
     assert seen["argv"] == [script, "report", "x"] and seen["name"] == "__main__"
     assert seen["path0"] == os.path.dirname(script) and seen["cwd"] == str(tmp_path)
-    assert seen["env"] == "yes" and seen["threads"] == 1
+    assert seen["env"] == "yes" and seen["threads"] == 1 and seen["path1"] == str(tmp_path)
     assert seen["pid"] != os.getpid() and seen["sid"] == os.getsid(0)
 
 

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 TORCH = ("torch", "torch.distributed")
 LIGHTNING = (*TORCH, "lightning.pytorch")
+LAUNCHER = (*TORCH, "nvrx_core.ft.launcher")
 
 # What multiprocessing's fork server imports for the tests that start ranks as Process targets.
 FORKSERVER_PRELOAD = [*TORCH, "torch._dynamo", "nvrx_core.inprocess"]
@@ -38,6 +39,11 @@ DEVNULL = subprocess.DEVNULL
 _WARM_MAIN = r'''
 import importlib, json, os, runpy, selectors, signal, socket, sys
 
+def _pythonpath():
+    return [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+_OWN_PYTHONPATH = _pythonpath()
 for _name in sys.argv[2:]:
     importlib.import_module(_name)
 _ctl = socket.socket(fileno=int(sys.argv[1]))
@@ -91,8 +97,15 @@ for _fd in set(_fds):
 os.environ.clear()
 os.environ.update(_request["env"])
 os.chdir(_request["cwd"])
+for _entry in _OWN_PYTHONPATH:  # sys.path as the child's own PYTHONPATH would make it
+    if _entry in sys.path:
+        sys.path.remove(_entry)
+sys.path[1:1] = _pythonpath()
 if _request["new_session"]:
     os.setsid()
+if os.environ.get("PYTHONUNBUFFERED"):  # what -u or the variable gives a new interpreter
+    for _stream in (sys.stdout, sys.stderr):
+        _stream.reconfigure(line_buffering=True, write_through=True)
 if "OMP_NUM_THREADS" in os.environ and "torch" in sys.modules:
     # OpenMP read the variable when torch loaded it, in the warm process
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -115,6 +128,8 @@ class WarmProcess:
         self._server, self.pid, self.args = server, pid, args
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: Optional[int] = None
+        self._readers: Optional[List[threading.Thread]] = None
+        self._read: Dict[str, object] = {}
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -140,19 +155,21 @@ class WarmProcess:
         self.send_signal(9)
 
     def communicate(self, timeout: Optional[float] = None):
-        """Read stdout and stderr to the end and wait for the exit, within `timeout`."""
+        """Read stdout and stderr to the end and wait for the exit, within `timeout`; after a
+        TimeoutExpired, a later call goes on reading where the first left off (as Popen's)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        read = {}
-        readers = [threading.Thread(target=lambda n=n, s=s: read.__setitem__(n, s.read()), daemon=True)
-                   for n, s in (("out", self.stdout), ("err", self.stderr)) if s]
-        for reader in readers:
-            reader.start()
-        for reader in readers:
+        if self._readers is None:
+            self._readers = [threading.Thread(target=lambda n=n, s=s: self._read.__setitem__(n, s.read()),
+                                              daemon=True)
+                             for n, s in (("out", self.stdout), ("err", self.stderr)) if s]
+            for reader in self._readers:
+                reader.start()
+        for reader in self._readers:
             reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return read.get("out"), read.get("err")
+        return self._read.get("out"), self._read.get("err")
 
     def __enter__(self):
         return self
