@@ -209,6 +209,8 @@ class _WarmServer:
                 for line in lines:
                     msg = json.loads(line)
                     if "started" in msg:
+                        # a reused pid: an earlier child's exit is not this one's
+                        self._exits.pop(msg["started"], None)
                         self._started.append(msg["started"])
                     else:
                         self._exits[msg["exited"]] = msg["code"]
