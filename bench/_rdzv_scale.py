@@ -13,7 +13,7 @@ the store, which is what grows with the node count.
 Connecting is timed apart because on this machine it is slow for a reason of the sandbox's:
 each TCPStore client looks up its peer's name (a PTR query for 127.0.0.1, sent to DNS because
 the IPv6 socket's v4-mapped address is not in /etc/hosts), and the resolver drops about one
-query in 25, each drop a 5 s timeout. 1024 agents took about 140 s to connect.
+query in 25, each drop a 5 s timeout. 1024 agents took 108-117 s to connect.
 """
 
 import concurrent.futures

@@ -103,9 +103,11 @@ def bench_scale(sizes, runs: int, limit: float, peer_max: int) -> None:
         if peer is None:
             print(f"rendezvous_{n}_nodes: ours {ours:.3f} s, peer(torch c10d) not run (--peer-scale-max)", flush=True)
             continue
-        peer_text = f"{peer:.3f} s" if peer != float("inf") else f"> {limit:.0f} s (not finished)"
-        print(f"rendezvous_{n}_nodes: ours {ours:.3f} s, peer(torch c10d) {peer_text}, ratio {ours / peer:.3f}",
-              flush=True)
+        if peer != float("inf"):
+            peer_text, ratio = f"{peer:.3f} s", f"{ours / peer:.3f}"
+        else:
+            peer_text, ratio = f"> {limit:.0f} s (not finished)", f"< {ours / limit:.3f}"
+        print(f"rendezvous_{n}_nodes: ours {ours:.3f} s, peer(torch c10d) {peer_text}, ratio {ratio}", flush=True)
     ordered = sorted(curve)
     for small, large in zip(ordered, ordered[1:]):
         print(f"  ours x{large / small:g} nodes -> x{curve[large] / curve[small]:.2f} time", flush=True)
