@@ -21,6 +21,7 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor import NodeMonitor
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import Timeouts
+from monitor_harness import Rank
 from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -238,7 +239,10 @@ def test_unreachable_monitor_is_an_error(tmp_path):
 
 
 def test_stacks_of_a_hung_rank_are_reported_as_one_block_from_its_own_file(tmp_path, caplog):
-    """The dump signal really reaches faulthandler (in this process); SIGKILL is only recorded."""
+    """The dump signal really reaches the rank's faulthandler; SIGKILL is only recorded. The rank
+    is a process of its own (tests/scripts/ft_rank.py, idle in its command loop): faulthandler's
+    dump of this test process, whose other threads run Python (the monitor's, xdist's), crashed
+    it with SIGSEGV."""
     sent = []
 
     def kill(pid, sig):
@@ -248,17 +252,19 @@ def test_stacks_of_a_hung_rank_are_reported_as_one_block_from_its_own_file(tmp_p
 
     caplog.set_level("ERROR", logger="nvrx.ft.monitor")
     monitor = MonitorThread(tmp_path, kill=kill, rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30)
+    rank = None
     try:
-        client = monitor.client()
+        rank = Rank(monitor.path)
         stack_files = list(tmp_path.glob("stacks-rank*-pid*.txt"))
-        assert [f.name for f in stack_files] == [f"stacks-rank0-pid{os.getpid()}.txt"]
-        client.send_heartbeat()
+        assert [f.name for f in stack_files] == [f"stacks-rank0-pid{rank.pid}.txt"]
+        rank.do("hb")
         wait_for(lambda: signal.SIGKILL in sent, what="dump + kill")
         [block] = [r.getMessage() for r in caplog.records if "stacks of hung rank 0" in r.getMessage()]
-        assert "(most recent call first)" in block and "in wait_for" in block  # this test, waiting
+        assert "(most recent call first)" in block and "ft_rank.py" in block  # the rank, in its loop
         assert not stack_files[0].exists()  # reported, then removed
-        client.shutdown_workload_monitoring()
     finally:
+        if rank is not None:
+            rank.kill()
         monitor.close()
 
 
