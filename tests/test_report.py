@@ -110,10 +110,11 @@ def test_the_rank_that_raised_first_is_blamed_not_the_peer_that_failed_after_it(
     assert any("SimulatedFaultError" in line and "step (train.py:7)" in line for line in v.evidence)
 
 
-def test_a_rank_that_vanished_first_with_no_exception_is_the_one_killed():
+@pytest.mark.parametrize("killed_seen_at", [4.0, 4.7])  # the monitor may see the killed rank's socket close last
+def test_a_rank_that_vanished_with_no_exception_is_the_one_killed(killed_seen_at):
     events = crash_cycle({0: 1}, [(4.5, 0, "torch.distributed.DistBackendError",
                                    "[gloo] Connection closed by peer [127.0.0.1]:4242")])
-    events[2:2] = [e(4.0, "rank_disconnected", 0, rank=1), e(4.6, "rank_disconnected", 0, rank=0)]
+    events[2:2] = [e(killed_seen_at, "rank_disconnected", 0, rank=1), e(4.6, "rank_disconnected", 0, rank=0)]
     v = verdict(events)
     assert (v.kind, v.culprits, v.waiting) == (a.KILLED, [1], [0])
 

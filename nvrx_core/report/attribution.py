@@ -263,11 +263,10 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
         elif code is not None and code < 0:
             culprits[rank] = KILLED
             lines.append(f"rank {rank}: killed by {_signal_name(code)} (not sent by nvrx)")
-    # A rank that vanished after the cycle's first known failure was stopped because of it (torch
-    # stops the other workers before the agent reports the failure), not killed by the fault.
+    # A rank that vanished after another rank raised (not a peer error) was stopped because of it
+    # (torch stops the other workers before the agent reports the failure), not killed by the fault.
     noticed = min([e["time"] for e in events if e["kind"] == ev.WORKERS_FAILED]
-                  + [exceptions[r]["time"] for r in culprits if culprits[r] == EXCEPTION]
-                  + [gone[r]["time"] for r in codes if codes[r] != 0 and r in gone],
+                  + [exceptions[r]["time"] for r in culprits if culprits[r] == EXCEPTION],
                   default=float("inf"))
     vanished = {r for r, e in gone.items() if e["time"] <= noticed}
     for rank in sorted(vanished - set(codes) - set(exceptions)):
