@@ -148,9 +148,6 @@ class WarmProcess:
         if self.poll() is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(15)
-
     def kill(self) -> None:
         self.send_signal(9)
 
@@ -170,15 +167,6 @@ class WarmProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._read.get("out"), self._read.get("err")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for stream in (self.stdin, self.stdout, self.stderr):
-            if stream:
-                stream.close()
-        self.wait()
 
 
 class _WarmServer:
