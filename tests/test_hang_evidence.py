@@ -8,9 +8,14 @@ import subprocess
 import sys
 
 from nvrx_core import torch_compat
-from nvrx_core.events import read_events
+from nvrx_core.events import EventLog, read_events
 from nvrx_core.ft import collective_trace
+from nvrx_core.ft import hang_evidence as he
+from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft.kills import Killer, Scheduler
 from nvrx_core.ft.protocol import decode
+from nvrx_core.ft.timeouts import Timeouts
+from nvrx_core.ft.watch import RankWatch
 
 
 def entry(pg_id, name, seq, op, retired):
@@ -82,3 +87,48 @@ def test_the_recorder_puts_back_the_hook_it_replaced():
     assert sys.excepthook != before
     recorder.uninstall()
     assert sys.excepthook is before
+
+
+# ---- the order of evidence and stack dumps (fake clock, no process is signalled) -----------
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def watch(rank, pid):
+    return RankWatch(rank=rank, local_rank=rank, pid=pid, cycle=0, connected_at=99.0, timeouts=Timeouts(),
+                     last_heartbeat=99.5)
+
+
+def test_a_rank_asked_where_it_is_gets_the_dump_signal_only_after_it_answered_or_could_not():
+    """faulthandler walking the link thread while it answers crashed a rank (SIGSEGV in
+    dump_traceback): the dump waits for the answer, or for ANSWER_WAIT."""
+    clock, dumped, asked = Clock(), [], []
+    sched = Scheduler(clock)
+    evidence = he.HangEvidence(EventLog(None, source="test"), clock, ask=lambda w: asked.append(w.rank) or True,
+                               dump=lambda w: dumped.append(w.rank) or True, read_stacks=lambda w: "",
+                               schedule=sched.at, stacks_after=0.5)
+    killer = Killer(FTConfig(), EventLog(None, source="test"), sched, clock,
+                    send_signal=lambda w, sig: dumped.append((w.rank, sig.name)) or True,
+                    report_stacks=lambda w: None, awaiting_evidence=evidence.awaiting_answers)
+    # live processes of distinct pids, for process_state(); no signal is sent to any
+    hung, peer, silent = watch(0, os.getpid()), watch(1, os.getppid()), watch(2, 1)
+    evidence.hang_detected(hung, [hung, peer, silent])
+    killer.begin(hung, "heartbeat timeout", overdue=0.0)
+    assert sorted(asked) == [0, 1, 2] and dumped == []        # every rank asked, nobody dumped yet
+    evidence.answered(peer, {"groups": {}})
+    assert dumped == [1]                                      # the peer, once it answered
+    clock.now += 0.1
+    sched.run_due()
+    assert dumped == [1]                                      # the hung rank waits for rank 2's answer
+    evidence.answered(hung, {"groups": {}})
+    clock.now += 0.1
+    sched.run_due()
+    assert dumped == [1]
+    clock.now = 100.0 + he.ANSWER_WAIT + 0.01                 # rank 2 never answers (it holds the GIL)
+    sched.run_due()
+    assert dumped[1:] == [2, (0, FTConfig().stack_dump_signal.name)]

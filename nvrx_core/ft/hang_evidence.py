@@ -6,7 +6,10 @@ as the culprit. At that first expiry in a cycle the monitor therefore asks every
 cycle, before anything is killed:
 - where it is in each process group's collective sequence (a `dump_collectives` message,
   answered by the rank's link thread: nvrx_core.ft.collective_trace);
-- for its stacks (the faulthandler dump signal), reported as events once written;
+- for its stacks (the faulthandler dump signal), reported as events once written; a rank that
+  was asked where it is gets the signal only once it answered (or could not in time), since
+  faulthandler walking the stack of a thread that runs Python can crash the rank (SIGSEGV in
+  dump_traceback), and the link thread runs Python while it answers;
 and records what the kernel says each process is doing (running, sleeping, stopped) and how
 long each has been silent. The kill waits for the answers, at most ANSWER_WAIT seconds; a rank
 that is stopped or holds the GIL cannot answer, and its silence is recorded as such.
@@ -49,6 +52,7 @@ class HangEvidence:
         self._stacks_after = stacks_after
         self._cycles: Set[int] = set()
         self._unanswered: Dict[int, RankWatch] = {}  # pid -> asked, no answer yet
+        self._dump_after_answer: Dict[int, RankWatch] = {}  # pid -> its stacks wait for its answer
         self._asked_at = 0.0
 
     def hang_detected(self, hung: RankWatch, ranks: Iterable[RankWatch]) -> None:
@@ -68,25 +72,42 @@ class HangEvidence:
                 "last_progress_time": round(wall - (now - last_progress(w)), 3),
                 "open_sections": sorted(w.open_sections), "iteration": w.max_iteration,
             }
-            if state not in (None, "stopped", "zombie") and self._ask(w):
+            asked = state not in (None, "stopped", "zombie") and self._ask(w)
+            if asked:
                 self._unanswered[w.pid] = w
-            if w is not hung and self._dump(w):  # the hung rank's own dump is the kill's first step
-                self._schedule(now + self._stacks_after, lambda w=w: self.report_stacks(w, self._read_stacks(w)))
+            if w is hung:  # the hung rank's own dump is the kill's first step, after the answers
+                continue
+            if asked:
+                self._dump_after_answer[w.pid] = w
+            else:
+                self._dump_stacks(w)
         self._events.emit(HANG_EVIDENCE, rank=hung.rank, cycle=hung.cycle, ranks=states)
+
+    def _dump_stacks(self, w: RankWatch) -> None:
+        if self._dump(w):
+            self._schedule(self._clock() + self._stacks_after, lambda: self.report_stacks(w, self._read_stacks(w)))
 
     def answered(self, w: RankWatch, msg: dict) -> None:
         self._unanswered.pop(w.pid, None)
         error = msg.get("error")
         self._events.emit(COLLECTIVES_REPORTED, rank=w.rank, cycle=w.cycle, groups=msg["groups"],
                           error=error if isinstance(error, str) else None)
+        if w.pid in self._dump_after_answer:
+            self._dump_stacks(self._dump_after_answer.pop(w.pid))
 
     def awaiting_answers(self) -> bool:
-        """Whether a kill should wait: a connected rank asked less than ANSWER_WAIT ago is silent."""
+        """Whether a kill should wait: a connected rank asked less than ANSWER_WAIT ago is silent.
+        A rank that did not answer in that time gets its stack dump then."""
         if self._clock() - self._asked_at >= ANSWER_WAIT:
             self._unanswered.clear()
+            late, self._dump_after_answer = self._dump_after_answer, {}
+            for w in late.values():
+                if w.connected:
+                    self._dump_stacks(w)
         for pid, w in list(self._unanswered.items()):
             if not w.connected:
                 del self._unanswered[pid]
+                self._dump_after_answer.pop(pid, None)
         return bool(self._unanswered)
 
     def report_stacks(self, w: RankWatch, text: Optional[str]) -> None:

@@ -1,6 +1,7 @@
 """How the node monitor takes down a hung rank, and the clock of scheduled steps it runs on.
 
-The sequence: ask the rank for a stack dump (faulthandler on stack_dump_signal), wait
+The sequence: once the cycle's ranks answered where they stand (ft.hang_evidence, bounded),
+ask the rank for a stack dump (faulthandler on stack_dump_signal), wait
 stack_dump_grace (longer while the signal is still pending: a rank the scheduler has not run
 yet has not written its stacks, up to proc.DUMP_WAIT_LIMIT), report the dump, send
 rank_termination_signal (and SIGCONT, so a stopped rank can act on it), and SIGKILL if the
@@ -91,6 +92,15 @@ class Killer:
             ev.FAULT_DETECTED, rank=w.rank, cycle=w.cycle, fault="hang", reason=reason,
             pid=w.pid, open_sections=sorted(w.open_sections), overdue_s=round(overdue, 3),
         )
+        self._dump_once_answered(w)
+
+    def _dump_once_answered(self, w: RankWatch) -> None:
+        """Send the dump signal once the cycle's ranks answered where they stand (ft.hang_evidence
+        bounds that wait): faulthandler walking a thread that runs Python, as the link thread
+        does while it answers, can crash the rank (SIGSEGV in dump_traceback)."""
+        if self._awaiting_evidence():
+            self._then(w, self._clock() + 0.05, lambda: self._dump_once_answered(w))
+            return
         if self._send(w, self.cfg.stack_dump_signal):
             self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
                              signal=self.cfg.stack_dump_signal.name)
