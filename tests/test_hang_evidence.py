@@ -12,10 +12,12 @@ from nvrx_core.events import EventLog, read_events
 from nvrx_core.ft import collective_trace
 from nvrx_core.ft import hang_evidence as he
 from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft import kills
 from nvrx_core.ft.kills import Killer, Scheduler
 from nvrx_core.ft.protocol import decode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch
+from nvrx_core.proc import DUMP_WAIT_LIMIT
 
 
 def entry(pg_id, name, seq, op, retired):
@@ -132,3 +134,52 @@ def test_a_rank_asked_where_it_is_gets_the_dump_signal_only_after_it_answered_or
     clock.now = 100.0 + he.ANSWER_WAIT + 0.01                 # rank 2 never answers (it holds the GIL)
     sched.run_due()
     assert dumped[1:] == [2, (0, FTConfig().stack_dump_signal.name)]
+
+
+def test_the_kill_waits_until_the_dump_file_grew_and_held_still():
+    """On a loaded node a rank can take the dump signal and wait for a core before its handler
+    writes: a fixed grace then killed it with its stacks unwritten (the report lost the culprit's
+    stack). The termination waits for the file to grow and hold still, within DUMP_WAIT_LIMIT."""
+    clock, sent, reported, size = Clock(), [], [], {"now": 120}
+    cfg = FTConfig()
+    killer = Killer(cfg, EventLog(None, source="test"), Scheduler(clock), clock,
+                    send_signal=lambda w, sig: sent.append(sig.name) or True,
+                    report_stacks=lambda w: reported.append(size["now"]), dump_size=lambda w: size["now"])
+    hung = watch(0, os.getpid())
+    killer.begin(hung, "heartbeat timeout", overdue=0.0)
+    assert sent == [cfg.stack_dump_signal.name]
+
+    def advance(seconds):
+        clock.now += seconds
+        killer._sched.run_due()
+
+    advance(cfg.stack_dump_grace + 1.0)  # taken, nothing written yet: the old fixed grace killed here
+    assert reported == [] and len(sent) == 1
+    size["now"] = 4000  # the handler writes
+    advance(kills.DUMP_POLL)
+    assert reported == []  # still growing, maybe
+    advance(kills.DUMP_POLL)
+    assert reported == [4000] and sent[1:] == [cfg.rank_termination_signal.name, "SIGCONT"]
+
+
+def test_a_dump_that_never_comes_delays_the_kill_by_at_most_the_wait_limit():
+    clock, sent = Clock(), []
+    killer = Killer(FTConfig(), EventLog(None, source="test"), Scheduler(clock), clock,
+                    send_signal=lambda w, sig: sent.append(sig.name) or True,
+                    report_stacks=lambda w: None, dump_size=lambda w: 0)
+    killer.begin(watch(0, os.getpid()), "heartbeat timeout", overdue=0.0)
+    while len(sent) == 1:
+        clock.now += kills.DUMP_POLL
+        killer._sched.run_due()
+    assert DUMP_WAIT_LIMIT <= clock.now - 100.0 <= DUMP_WAIT_LIMIT + 2 * kills.DUMP_POLL
+
+
+def test_a_rank_dumping_to_stderr_is_terminated_after_the_grace():
+    clock, sent = Clock(), []
+    cfg = FTConfig()
+    killer = Killer(cfg, EventLog(None, source="test"), Scheduler(clock), clock,
+                    send_signal=lambda w, sig: sent.append(sig.name) or True, report_stacks=lambda w: None)
+    killer.begin(watch(0, os.getpid()), "heartbeat timeout", overdue=0.0)
+    clock.now += cfg.stack_dump_grace
+    killer._sched.run_due()
+    assert sent[1:] == [cfg.rank_termination_signal.name, "SIGCONT"]

@@ -1,11 +1,13 @@
 """How the node monitor takes down a hung rank, and the clock of scheduled steps it runs on.
 
 The sequence: once the cycle's ranks answered where they stand (ft.hang_evidence, bounded),
-ask the rank for a stack dump (faulthandler on stack_dump_signal), wait
-stack_dump_grace (longer while the signal is still pending: a rank the scheduler has not run
-yet has not written its stacks, up to proc.DUMP_WAIT_LIMIT), report the dump, send
-rank_termination_signal (and SIGCONT, so a stopped rank can act on it), and SIGKILL if the
-rank is still alive termination_grace later. Each step is a scheduled action, so timing
+ask the rank for a stack dump (faulthandler on stack_dump_signal), wait until the dump is
+written, report it, send rank_termination_signal (and SIGCONT, so a stopped rank can act on
+it), and SIGKILL if the rank is still alive termination_grace later. "Written": the rank took
+the signal, and its dump file grew and then held still for DUMP_POLL seconds; at least
+stack_dump_grace after the signal, at most proc.DUMP_WAIT_LIMIT. A fixed grace was not
+enough: on a loaded node a rank can take the signal and then wait for a core before its
+handler writes anything, and the kill then lost the stacks that name the culprit. Each step is a scheduled action, so timing
 never blocks the monitor's serving of the other ranks.
 
 Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
@@ -62,6 +64,9 @@ class Scheduler:
 SendSignal = Callable[[RankWatch, int], bool]
 EXIT_POLL = 0.05
 """Seconds between looks at a disconnected rank's pidfd while its kill has steps pending."""
+DUMP_POLL = 0.05
+"""Seconds between looks at a dump being written (signal pending? file still growing?)."""
+_UNTAKEN = -1  # a dump size that stands for "the signal was not taken yet"
 
 
 def signal_by_handle(w: RankWatch, sig: int) -> bool:
@@ -74,9 +79,11 @@ class Killer:
 
     def __init__(self, cfg: FTConfig, events: ev.EventLog, scheduler: Scheduler, clock: Callable[[], float],
                  send_signal: SendSignal, report_stacks: Callable[[RankWatch], None],
-                 awaiting_evidence: Callable[[], bool] = lambda: False):
+                 awaiting_evidence: Callable[[], bool] = lambda: False,
+                 dump_size: Callable[[RankWatch], Optional[int]] = lambda w: None):
         """`awaiting_evidence`: whether ranks asked where they stand (ft.hang_evidence) have yet
-        to answer; the termination waits for them (within DUMP_WAIT_LIMIT)."""
+        to answer; the dump signal waits for them (bounded there). `dump_size`: the
+        size of the rank's dump file (None: it has none, its dumps go to stderr)."""
         self.cfg = cfg
         self.events = events
         self._sched = scheduler
@@ -84,6 +91,7 @@ class Killer:
         self._send = send_signal
         self._report_stacks = report_stacks
         self._awaiting_evidence = awaiting_evidence
+        self._dump_size = dump_size
 
     def begin(self, w: RankWatch, reason: str, overdue: float) -> None:
         w.expired = True
@@ -99,13 +107,16 @@ class Killer:
         bounds that wait): faulthandler walking a thread that runs Python, as the link thread
         does while it answers, can crash the rank (SIGSEGV in dump_traceback)."""
         if self._awaiting_evidence():
-            self._then(w, self._clock() + 0.05, lambda: self._dump_once_answered(w))
+            self._then(w, self._clock() + DUMP_POLL, lambda: self._dump_once_answered(w))
             return
-        if self._send(w, self.cfg.stack_dump_signal):
-            self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
-                             signal=self.cfg.stack_dump_signal.name)
+        before = self._dump_size(w)
+        if not self._send(w, self.cfg.stack_dump_signal):
+            self._terminate(w)  # nothing to wait for: the process is gone or cannot be signalled
+            return
+        self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
+                         signal=self.cfg.stack_dump_signal.name)
         sent = self._clock()
-        self._then(w, sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, waited=False))
+        self._then(w, sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, before, before))
 
     def rank_disconnected(self, w: RankWatch) -> None:
         """The rank's connection closed: cancel what is left of its kill once its process is gone.
@@ -141,16 +152,21 @@ class Killer:
     def _dump_pending(self, w: RankWatch) -> bool:
         return w.proc is not None and w.proc.signal_pending(self.cfg.stack_dump_signal)
 
-    def _terminate_after_dump(self, w: RankWatch, sent: float, waited: bool) -> None:
-        """Terminate once the rank has taken the dump signal, or after DUMP_WAIT_LIMIT."""
+    def _terminate_after_dump(self, w: RankWatch, sent: float, before: Optional[int], last: Optional[int]) -> None:
+        """Terminate once the dump is written (module docstring), or DUMP_WAIT_LIMIT after `sent`.
+        `before`: the dump file's size when the signal was sent; `last`: at the previous look
+        (_UNTAKEN while the signal was not taken yet)."""
         now = self._clock()
-        if now - sent < DUMP_WAIT_LIMIT and (self._dump_pending(w) or self._awaiting_evidence()):
-            self._then(w, now + 0.05, lambda: self._terminate_after_dump(w, sent, waited=True))
-        elif waited and now - sent < DUMP_WAIT_LIMIT:  # taken late: give it the grace to write
-            self._then(w, now + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, False))
+        size = _UNTAKEN if self._dump_pending(w) else self._dump_size(w)
+        if size is None:  # no file to watch: taken, and taken at the previous look too
+            written = last != _UNTAKEN
         else:
+            written = before is not None and before < size == last
+        if written or now - sent >= DUMP_WAIT_LIMIT:
             self._report_stacks(w)
             self._terminate(w)
+        else:
+            self._then(w, now + DUMP_POLL, lambda: self._terminate_after_dump(w, sent, before, size))
 
     def _terminate(self, w: RankWatch) -> None:
         sig = self.cfg.rank_termination_signal

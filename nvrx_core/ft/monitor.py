@@ -33,7 +33,7 @@ from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.kills import Killer, Scheduler, SendSignal, signal_by_handle
 from nvrx_core.ft.hang_evidence import HangEvidence
-from nvrx_core.ft.monitor_io import Conn, peer_credentials, read_stacks, remove, report_stacks, stack_file
+from nvrx_core.ft.monitor_io import Conn, dump_size, peer_credentials, read_stacks, remove, report_stacks, stack_file
 from nvrx_core.ft.protocol import ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
@@ -86,7 +86,8 @@ class NodeMonitor:
             read_stacks=lambda w: read_stacks(self._stack_file(w)), schedule=self._sched.at,
             stacks_after=config.stack_dump_grace)
         self._killer = Killer(config, events, self._sched, clock, send_signal, self._report_stacks,
-                              awaiting_evidence=self._evidence.awaiting_answers)
+                              awaiting_evidence=self._evidence.awaiting_answers,
+                              dump_size=lambda w: dump_size(self._stack_file(w)))
         self.cycle = cycle
         self._cycle_watches: List[RankWatch] = []
         self._cycle_progressed = False

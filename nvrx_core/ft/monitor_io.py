@@ -102,6 +102,14 @@ def read_stacks(path: str) -> str:
         return ""
 
 
+def dump_size(path: str) -> Optional[int]:
+    """The size of the rank's dump file so far (None: there is none)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
 def report_stacks(path: str, w: RankWatch) -> str:
     """Log the rank's dump as one block, remove the file, and return the dump."""
     dump = read_stacks(path)
