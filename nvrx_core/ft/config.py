@@ -110,8 +110,9 @@ class FTConfig:
     monitor's private directory while the rank is monitored (the monitor prints it before the
     kill), into stderr otherwise."""
     stack_dump_grace: float = 0.2
-    """Seconds between the stack-dump signal and the termination signal; longer (up to 5 s) while
-    the rank has not taken the dump signal yet (a loaded node), so the dump is not lost."""
+    """Least seconds between the stack-dump signal and the termination signal; longer (up to 5 s)
+    while the rank has not taken the signal or not finished writing its dump (a loaded node), so
+    the dump is not lost."""
     termination_grace: float = 5.0
     """If the rank survives the termination signal this long, it is sent SIGKILL."""
     num_warmup_iterations: int = 1
