@@ -183,3 +183,29 @@ def test_a_rank_dumping_to_stderr_is_terminated_after_the_grace():
     clock.now += cfg.stack_dump_grace
     killer._sched.run_due()
     assert sent[1:] == [cfg.rank_termination_signal.name, "SIGCONT"]
+
+
+def test_no_rank_of_the_cycle_is_terminated_while_another_s_dump_is_being_written():
+    """A waiting peer's timeout expires a moment after the culprit's; its death makes torch's agent
+    stop every worker, so killing it first lost the culprit's stacks (seen in a loaded run)."""
+    clock, signals, reported = Clock(), [], []
+    size = {0: 0, 1: 0}
+    cfg = FTConfig()
+    killer = Killer(cfg, EventLog(None, source="test"), Scheduler(clock), clock,
+                    send_signal=lambda w, sig: signals.append((w.rank, sig.name)) or True,
+                    report_stacks=lambda w: reported.append((w.rank, size[w.rank])),
+                    dump_size=lambda w: size[w.rank])
+    culprit, peer = watch(1, os.getpid()), watch(0, os.getppid())
+    killer.begin(culprit, "heartbeat timeout", overdue=0.0)
+    killer.begin(peer, "heartbeat timeout", overdue=0.0)
+    size[0] = 900  # the peer writes at once; the culprit waits for a core
+    terminated = lambda: [r for r, sig in signals if sig == cfg.rank_termination_signal.name]
+    for _ in range(20):
+        clock.now += kills.DUMP_POLL
+        killer._sched.run_due()
+    assert terminated() == [] and reported == []
+    size[1] = 3000
+    for _ in range(3):
+        clock.now += kills.DUMP_POLL
+        killer._sched.run_due()
+    assert sorted(terminated()) == [0, 1] and sorted(reported) == [(0, 900), (1, 3000)]

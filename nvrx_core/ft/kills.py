@@ -7,7 +7,10 @@ it), and SIGKILL if the rank is still alive termination_grace later. "Written": 
 the signal, and its dump file grew and then held still for DUMP_POLL seconds; at least
 stack_dump_grace after the signal, at most proc.DUMP_WAIT_LIMIT. A fixed grace was not
 enough: on a loaded node a rank can take the signal and then wait for a core before its
-handler writes anything, and the kill then lost the stacks that name the culprit. Each step is a scheduled action, so timing
+handler writes anything, and the kill then lost the stacks that name the culprit.
+No rank of a cycle is terminated while another rank of that cycle has a dump being written:
+a hang spreads, so a waiting peer's timeout expires a moment after the culprit's, and the
+peer's death makes torch's agent stop every worker, the culprit with its dump unwritten. Each step is a scheduled action, so timing
 never blocks the monitor's serving of the other ranks.
 
 Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
@@ -21,7 +24,7 @@ pid must not be signalled once nothing proves it is still the rank's.
 import heapq
 import logging
 import signal
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
@@ -92,6 +95,7 @@ class Killer:
         self._report_stacks = report_stacks
         self._awaiting_evidence = awaiting_evidence
         self._dump_size = dump_size
+        self._unwritten: Dict[int, Set[int]] = {}  # cycle -> pids whose dump is being written
 
     def begin(self, w: RankWatch, reason: str, overdue: float) -> None:
         w.expired = True
@@ -100,6 +104,7 @@ class Killer:
             ev.FAULT_DETECTED, rank=w.rank, cycle=w.cycle, fault="hang", reason=reason,
             pid=w.pid, open_sections=sorted(w.open_sections), overdue_s=round(overdue, 3),
         )
+        self._unwritten.setdefault(w.cycle, set()).add(w.pid)
         self._dump_once_answered(w)
 
     def _dump_once_answered(self, w: RankWatch) -> None:
@@ -111,6 +116,7 @@ class Killer:
             return
         before = self._dump_size(w)
         if not self._send(w, self.cfg.stack_dump_signal):
+            self._unwritten.get(w.cycle, set()).discard(w.pid)
             self._terminate(w)  # nothing to wait for: the process is gone or cannot be signalled
             return
         self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
@@ -131,6 +137,7 @@ class Killer:
             for entry in w.pending:
                 Scheduler.cancel(entry)
             w.pending.clear()
+            self._unwritten.get(w.cycle, set()).discard(w.pid)  # its process is gone
             self._release_if_done(w)
         else:
             self._sched.at(self._clock() + EXIT_POLL, lambda: self.rank_disconnected(w))
@@ -153,16 +160,22 @@ class Killer:
         return w.proc is not None and w.proc.signal_pending(self.cfg.stack_dump_signal)
 
     def _terminate_after_dump(self, w: RankWatch, sent: float, before: Optional[int], last: Optional[int]) -> None:
-        """Terminate once the dump is written (module docstring), or DUMP_WAIT_LIMIT after `sent`.
-        `before`: the dump file's size when the signal was sent; `last`: at the previous look
-        (_UNTAKEN while the signal was not taken yet)."""
+        """Terminate once the dump of every rank of the cycle is written (module docstring), or
+        DUMP_WAIT_LIMIT after `sent`. `before`: the dump file's size when the signal was sent;
+        `last`: at the previous look (_UNTAKEN while the signal was not taken yet)."""
         now = self._clock()
         size = _UNTAKEN if self._dump_pending(w) else self._dump_size(w)
         if size is None:  # no file to watch: taken, and taken at the previous look too
             written = last != _UNTAKEN
         else:
             written = before is not None and before < size == last
-        if written or now - sent >= DUMP_WAIT_LIMIT:
+        unwritten = self._unwritten.get(w.cycle, set())
+        if written:
+            unwritten.discard(w.pid)
+        if not unwritten or now - sent >= DUMP_WAIT_LIMIT:
+            unwritten.discard(w.pid)
+            if not unwritten:
+                self._unwritten.pop(w.cycle, None)
             self._report_stacks(w)
             self._terminate(w)
         else:
