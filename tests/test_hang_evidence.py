@@ -4,6 +4,7 @@ ranks is checked end to end in test_report_runs.py."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ from nvrx_core.ft.kills import Killer, Scheduler
 from nvrx_core.ft.protocol import decode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch
-from nvrx_core.proc import DUMP_WAIT_LIMIT
+from nvrx_core.proc import DUMP_WAIT_LIMIT, process_state
+from waiting import wait_for
 
 
 def entry(pg_id, name, seq, op, retired):
@@ -209,3 +211,31 @@ def test_no_rank_of_the_cycle_is_terminated_while_another_s_dump_is_being_writte
         clock.now += kills.DUMP_POLL
         killer._sched.run_due()
     assert sorted(terminated()) == [0, 1] and sorted(reported) == [(0, 900), (1, 3000)]
+
+
+def test_a_stopped_rank_s_dump_is_not_waited_for():
+    """A SIGSTOPped rank writes nothing until continued: neither it nor its peer waits for its
+    dump (the wait limit would add 5 s to every recovery from a stopped rank)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_for(lambda: process_state(child.pid) == "stopped", what="the child stopped")
+        clock, signals = Clock(), []
+        cfg = FTConfig()
+        size = {0: 0, 1: 0}
+        killer = Killer(cfg, EventLog(None, source="test"), Scheduler(clock), clock,
+                        send_signal=lambda w, sig: signals.append((w.rank, sig.name)) or True,
+                        report_stacks=lambda w: None, dump_size=lambda w: size[w.rank])
+        stopped, peer = watch(1, child.pid), watch(0, os.getpid())
+        killer.begin(stopped, "heartbeat timeout", overdue=0.0)
+        killer.begin(peer, "heartbeat timeout", overdue=0.0)
+        size[0] = 900  # the peer writes its dump at once
+        for _ in range(int(cfg.stack_dump_grace / kills.DUMP_POLL) + 3):
+            clock.now += kills.DUMP_POLL
+            killer._sched.run_due()
+        assert clock.now - 100.0 < DUMP_WAIT_LIMIT / 2
+        terminated = sorted(r for r, sig in signals if sig == cfg.rank_termination_signal.name)
+        assert terminated == [0, 1] and (1, "SIGCONT") in signals, signals
+    finally:
+        child.kill()
+        child.wait()

@@ -10,7 +10,8 @@ enough: on a loaded node a rank can take the signal and then wait for a core bef
 handler writes anything, and the kill then lost the stacks that name the culprit.
 No rank of a cycle is terminated while another rank of that cycle has a dump being written:
 a hang spreads, so a waiting peer's timeout expires a moment after the culprit's, and the
-peer's death makes torch's agent stop every worker, the culprit with its dump unwritten. Each step is a scheduled action, so timing
+peer's death makes torch's agent stop every worker, the culprit with its dump unwritten. A
+stopped (SIGSTOP) rank writes nothing until continued, so nobody waits for its dump. Each step is a scheduled action, so timing
 never blocks the monitor's serving of the other ranks.
 
 Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
@@ -29,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Set
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.watch import RankWatch
-from nvrx_core.proc import DUMP_WAIT_LIMIT
+from nvrx_core.proc import DUMP_WAIT_LIMIT, process_state
 
 logger = logging.getLogger("nvrx.ft.monitor")
 
@@ -70,6 +71,7 @@ EXIT_POLL = 0.05
 DUMP_POLL = 0.05
 """Seconds between looks at a dump being written (signal pending? file still growing?)."""
 _UNTAKEN = -1  # a dump size that stands for "the signal was not taken yet"
+STOPPED_STATES = ("stopped", "tracing stop")
 
 
 def signal_by_handle(w: RankWatch, sig: int) -> bool:
@@ -165,7 +167,9 @@ class Killer:
         `last`: at the previous look (_UNTAKEN while the signal was not taken yet)."""
         now = self._clock()
         size = _UNTAKEN if self._dump_pending(w) else self._dump_size(w)
-        if size is None:  # no file to watch: taken, and taken at the previous look too
+        if process_state(w.pid) in STOPPED_STATES:  # it writes nothing until continued
+            written = True
+        elif size is None:  # no file to watch: taken, and taken at the previous look too
             written = last != _UNTAKEN
         else:
             written = before is not None and before < size == last
