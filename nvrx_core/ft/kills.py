@@ -8,11 +8,11 @@ the signal, and its dump file grew and then held still for DUMP_POLL seconds; at
 stack_dump_grace after the signal, at most proc.DUMP_WAIT_LIMIT. A fixed grace was not
 enough: on a loaded node a rank can take the signal and then wait for a core before its
 handler writes anything, and the kill then lost the stacks that name the culprit.
-No rank of a cycle is terminated while another rank of that cycle has a dump being written:
-a hang spreads, so a waiting peer's timeout expires a moment after the culprit's, and the
-peer's death makes torch's agent stop every worker, the culprit with its dump unwritten. A
-stopped (SIGSTOP) rank writes nothing until continued, so nobody waits for its dump. Each step is a scheduled action, so timing
-never blocks the monitor's serving of the other ranks.
+The hung ranks of a cycle are terminated together, once all their dumps are written: a hang
+spreads, so a waiting peer's timeout expires a moment after the culprit's, and when the peer
+died first torch's agent stopped every worker, the culprit with its dump unwritten. A stopped
+(SIGSTOP) rank writes nothing until continued, so nobody waits for its dump. Each step is a
+scheduled action, so timing never blocks the monitor's serving of the other ranks.
 
 Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
 connected, so no step can reach another process that reused the pid. Steps still pending
@@ -22,10 +22,11 @@ through the pidfd. Only where the kernel has no pidfds is a disconnect taken as 
 pid must not be signalled once nothing proves it is still the rank's.
 """
 
+import dataclasses
 import heapq
 import logging
 import signal
-from typing import Callable, Dict, List, Optional, Set
+from typing import Callable, Dict, List, Optional
 
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
@@ -74,6 +75,13 @@ _UNTAKEN = -1  # a dump size that stands for "the signal was not taken yet"
 STOPPED_STATES = ("stopped", "tracing stop")
 
 
+@dataclasses.dataclass
+class _Dump:
+    """A hung rank's kill, waiting for the dumps of its cycle."""
+    w: RankWatch
+    written: bool = False
+
+
 def signal_by_handle(w: RankWatch, sig: int) -> bool:
     """Send `sig` to the rank's process through its pidfd; False once it has exited."""
     return w.proc is not None and w.proc.send_signal(sig)
@@ -97,7 +105,7 @@ class Killer:
         self._report_stacks = report_stacks
         self._awaiting_evidence = awaiting_evidence
         self._dump_size = dump_size
-        self._unwritten: Dict[int, Set[int]] = {}  # cycle -> pids whose dump is being written
+        self._dumping: Dict[int, Dict[int, _Dump]] = {}  # cycle -> pid -> a kill waiting for dumps
 
     def begin(self, w: RankWatch, reason: str, overdue: float) -> None:
         w.expired = True
@@ -106,7 +114,7 @@ class Killer:
             ev.FAULT_DETECTED, rank=w.rank, cycle=w.cycle, fault="hang", reason=reason,
             pid=w.pid, open_sections=sorted(w.open_sections), overdue_s=round(overdue, 3),
         )
-        self._unwritten.setdefault(w.cycle, set()).add(w.pid)
+        self._dumping.setdefault(w.cycle, {})[w.pid] = _Dump(w)
         self._dump_once_answered(w)
 
     def _dump_once_answered(self, w: RankWatch) -> None:
@@ -118,8 +126,7 @@ class Killer:
             return
         before = self._dump_size(w)
         if not self._send(w, self.cfg.stack_dump_signal):
-            self._unwritten.get(w.cycle, set()).discard(w.pid)
-            self._terminate(w)  # nothing to wait for: the process is gone or cannot be signalled
+            self._finish(w)  # nothing to wait for: the process is gone or cannot be signalled
             return
         self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
                          signal=self.cfg.stack_dump_signal.name)
@@ -139,7 +146,7 @@ class Killer:
             for entry in w.pending:
                 Scheduler.cancel(entry)
             w.pending.clear()
-            self._unwritten.get(w.cycle, set()).discard(w.pid)  # its process is gone
+            self._dumping.get(w.cycle, {}).pop(w.pid, None)  # its process is gone
             self._release_if_done(w)
         else:
             self._sched.at(self._clock() + EXIT_POLL, lambda: self.rank_disconnected(w))
@@ -162,10 +169,9 @@ class Killer:
         return w.proc is not None and w.proc.signal_pending(self.cfg.stack_dump_signal)
 
     def _terminate_after_dump(self, w: RankWatch, sent: float, before: Optional[int], last: Optional[int]) -> None:
-        """Terminate once the dump of every rank of the cycle is written (module docstring), or
-        DUMP_WAIT_LIMIT after `sent`. `before`: the dump file's size when the signal was sent;
-        `last`: at the previous look (_UNTAKEN while the signal was not taken yet)."""
-        now = self._clock()
+        """Terminate the cycle's hung ranks once all their dumps are written (module docstring),
+        or this one alone DUMP_WAIT_LIMIT after `sent`. `before`: the dump file's size when the
+        signal was sent; `last`: at the previous look (_UNTAKEN while the signal was not taken)."""
         size = _UNTAKEN if self._dump_pending(w) else self._dump_size(w)
         if process_state(w.pid) in STOPPED_STATES:  # it writes nothing until continued
             written = True
@@ -173,17 +179,29 @@ class Killer:
             written = last != _UNTAKEN
         else:
             written = before is not None and before < size == last
-        unwritten = self._unwritten.get(w.cycle, set())
-        if written:
-            unwritten.discard(w.pid)
-        if not unwritten or now - sent >= DUMP_WAIT_LIMIT:
-            unwritten.discard(w.pid)
-            if not unwritten:
-                self._unwritten.pop(w.cycle, None)
-            self._report_stacks(w)
-            self._terminate(w)
+        cycle = self._dumping.get(w.cycle, {})
+        if w.pid in cycle:
+            cycle[w.pid].written = written
+        if all(d.written for d in cycle.values()):
+            for d in list(cycle.values()):
+                self._finish(d.w)
+        elif self._clock() - sent >= DUMP_WAIT_LIMIT:
+            self._finish(w)
         else:
-            self._then(w, now + DUMP_POLL, lambda: self._terminate_after_dump(w, sent, before, size))
+            self._then(w, self._clock() + DUMP_POLL, lambda: self._terminate_after_dump(w, sent, before, size))
+
+    def _finish(self, w: RankWatch) -> None:
+        """Report the rank's dump and terminate it; its next look at the dump is cancelled."""
+        cycle = self._dumping.get(w.cycle, {})
+        cycle.pop(w.pid, None)
+        if not cycle:
+            self._dumping.pop(w.cycle, None)
+        for entry in w.pending:
+            Scheduler.cancel(entry)
+        w.pending.clear()
+        self._report_stacks(w)
+        self._terminate(w)
+        self._release_if_done(w)
 
     def _terminate(self, w: RankWatch) -> None:
         sig = self.cfg.rank_termination_signal
