@@ -146,7 +146,7 @@ class Killer:
             for entry in w.pending:
                 Scheduler.cancel(entry)
             w.pending.clear()
-            self._dumping.get(w.cycle, {}).pop(w.pid, None)  # its process is gone
+            self._forget_dump(w)  # its process is gone
             self._release_if_done(w)
         else:
             self._sched.at(self._clock() + EXIT_POLL, lambda: self.rank_disconnected(w))
@@ -178,7 +178,7 @@ class Killer:
         elif size is None:  # no file to watch: taken, and taken at the previous look too
             written = last != _UNTAKEN
         else:
-            written = before is not None and before < size == last
+            written = (before or 0) < size == last  # grew since the signal (from nothing: no file then)
         cycle = self._dumping.get(w.cycle, {})
         if w.pid in cycle:
             cycle[w.pid].written = written
@@ -190,12 +190,15 @@ class Killer:
         else:
             self._then(w, self._clock() + DUMP_POLL, lambda: self._terminate_after_dump(w, sent, before, size))
 
-    def _finish(self, w: RankWatch) -> None:
-        """Report the rank's dump and terminate it; its next look at the dump is cancelled."""
+    def _forget_dump(self, w: RankWatch) -> None:
         cycle = self._dumping.get(w.cycle, {})
         cycle.pop(w.pid, None)
         if not cycle:
             self._dumping.pop(w.cycle, None)
+
+    def _finish(self, w: RankWatch) -> None:
+        """Report the rank's dump and terminate it; its next look at the dump is cancelled."""
+        self._forget_dump(w)
         for entry in w.pending:
             Scheduler.cancel(entry)
         w.pending.clear()
