@@ -12,14 +12,20 @@ import sys
 import textwrap
 import threading
 import time
+import types
 
 import pytest
 import torch.distributed as dist
 
+from nvrx_core.events import EventLog
+from nvrx_core.inprocess import InProcessConfig
 from nvrx_core.inprocess.coordination import Coordinator, HeartbeatWatch
 from nvrx_core.inprocess.errors import BarrierTimeout, RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
+from nvrx_core.inprocess.monitor_thread import MonitorThread
+from nvrx_core.inprocess.planning import Plan
 from nvrx_core.inprocess.records import Cause
+from nvrx_core.inprocess.wrapper import _Call
 from nvrx_core.inprocess.store import STORE_ENV, StoreSetupError, endpoint_from_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,3 +315,34 @@ def test_gloo_group_gets_the_wrappers_timeout_unless_told_otherwise(store, given
         assert backend.options._timeout.total_seconds() == expected
     finally:
         dist.destroy_process_group()
+
+
+def test_a_soft_timeout_whose_record_ends_the_iteration_first_is_still_the_rank_s_cause(store):
+    """The record of a rank's soft timeout lets its peers abort, and the rank's own collective
+    fails, before its monitor's trigger() ran (seen in a loaded CI run: every rank then said
+    "peer_interrupted" and no rank named the hang). The main thread must classify that exit as
+    the rank's soft timeout. Driven by hand: the classification runs inside the record call."""
+    [coord] = coordinators(store, 1, prefix="race")
+    config = InProcessConfig(soft_timeout=2.0, hard_timeout=5.0, barrier_timeout=60.0, monitor_interval=0.2)
+    monitor = MonitorThread(coord, config, interrupter=types.SimpleNamespace(request=lambda msg: None, armed=False),
+                            progress=types.SimpleNamespace(touch=lambda: None, idle_for=lambda now: 3.0),
+                            abort=types.SimpleNamespace(abort_communication=lambda: 0),
+                            events=EventLog(None, source="test"))
+    monitor.begin_iteration(0, [0], terminated_base=coord.terminated_count())
+    monitor.enter_function()
+    plan = Plan(iteration=0, assignment=None, marked=coord.terminated_count())
+    wrapper = types.SimpleNamespace(monitor=monitor, coord=coord, rank=0)
+    record, classified = coord.record, []
+
+    def record_then_fail(iteration, cause, detail="", rank=None):
+        made = record(iteration, cause, detail, rank)
+        if not classified:  # the peer aborted on this record; the rank's collective failed at once
+            coord.record = record
+            classified.append(_Call._classify(wrapper, plan, None, RuntimeError("Connection closed by peer")))
+        return made
+
+    coord.record = record_then_fail
+    monitor._check_soft_timeout(now=0.0)
+    [(cause, detail)] = classified
+    assert cause == Cause.SOFT_TIMEOUT and "ran no Python" in detail, (cause, detail)
+    assert [r.cause for r in coord.records(0)][0] == Cause.SOFT_TIMEOUT and monitor.triggered == Cause.SOFT_TIMEOUT

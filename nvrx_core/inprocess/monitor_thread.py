@@ -61,6 +61,7 @@ class MonitorThread(threading.Thread):
         self._members: List[int] = []
         self._successors: List[int] = []
         self.triggered: Optional[Cause] = None
+        self.soft_timeout_detected: Optional[str] = None  # its detail, set before the store record
         self.soft_timeout_recorded = False
         self._triggered_at = 0.0
         self._released = False
@@ -72,6 +73,7 @@ class MonitorThread(threading.Thread):
         with self._lock:
             self._iteration, self._terminated_base, self.triggered = iteration, terminated_base, None
             self._in_function, self.soft_timeout_recorded, self._released = False, False, False
+            self.soft_timeout_detected = None
             self._members = list(members)
             self._successors = _successors(members, self.coord.rank, WATCHED_SUCCESSORS)
         self.progress.touch()
@@ -151,6 +153,13 @@ class MonitorThread(threading.Thread):
             if self.coord.interrupted(iteration, self._terminated_base):  # stuck because a peer failed
                 self.trigger(iteration, Cause.PEER_INTERRUPTED, "another rank's fault")
                 return
+            # Marked before the record: the record can end the iteration everywhere (a peer aborts,
+            # this rank's collective fails) before trigger() below runs, and the main thread must
+            # then still classify this rank's exit as its soft timeout, not as a peer's fault.
+            with self._lock:
+                if self._iteration != iteration or self.triggered is not None:
+                    return
+                self.soft_timeout_detected = detail
             self.coord.record(iteration, Cause.SOFT_TIMEOUT, detail)
             self.soft_timeout_recorded = True
         except Exception as e:  # the main thread records it once the store answers

@@ -337,7 +337,11 @@ class _Call:
 
     def _classify(self, plan: Plan, cause: Optional[Cause], error: Optional[BaseException]) -> Tuple[Cause, str]:
         """Record why this rank left the iteration, unless the monitor already did."""
-        k, triggered = plan.iteration, self.monitor.triggered
+        k, triggered, timed_out = plan.iteration, self.monitor.triggered, self.monitor.soft_timeout_detected
+        if triggered is None and timed_out is not None:
+            # The monitor's soft-timeout record can end the iteration everywhere (a peer aborts, this
+            # rank's collective fails) before its trigger() runs: this rank still left on its timeout.
+            triggered, error = Cause.SOFT_TIMEOUT, RestartRequested(f"{Cause.SOFT_TIMEOUT.value}: {timed_out}")
         if isinstance(error, RestartRequested) or triggered is not None:
             cause = triggered or Cause.PEER_INTERRUPTED
             detail = str(error) if error is not None else "interrupted"
