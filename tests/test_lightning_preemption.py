@@ -166,16 +166,18 @@ def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_
         if launcher.poll() is None:
             output += launcher.communicate()[0]
     assert launcher.returncode == PREEMPTED, output[-4000:]
-    results = [result(out, r) for r in range(2)]
-    assert all(r is not None and r["exit"] == PREEMPTED for r in results), (results, output[-4000:])
-    assert results[0]["stopped_at"] == results[1]["stopped_at"] < MAX_STEPS
     events = read_events(events_file)
     assert not kinds(events, "restart_begun")          # preempted: requeue, not restart in place
     assert {e["rank"] for e in kinds(events, "preemption_agreed")} == {0, 1}
     codes = {c for e in kinds(events, "workers_failed") for c in e["exit_codes"].values()}
     # The first rank to exit 18 ends the cycle; the agent stops the other, which may already
-    # be past its exit's last Python code: 18 or killed by that SIGTERM.
+    # be past its exit's last Python code: 18, or killed by that SIGTERM before it wrote its
+    # result (seen in a loaded CI run).
     assert PREEMPTED in codes and codes <= {PREEMPTED, -signal.SIGTERM}, codes
+    results = [r for r in (result(out, rank) for rank in range(2)) if r is not None]
+    assert len(results) == 2 or -signal.SIGTERM in codes, (results, codes, output[-4000:])
+    assert results and all(r["exit"] == PREEMPTED for r in results), (results, output[-4000:])
+    assert len({r["stopped_at"] for r in results}) == 1 and results[0]["stopped_at"] < MAX_STEPS, results
 
 
 # ---- single process (devices=1, no torch.distributed) -------------------------------------
