@@ -1,6 +1,7 @@
 """ft_launcher end to end: real launcher, real node monitor, real gloo ranks (2 per job)."""
 
 import os
+import signal
 
 import pytest
 
@@ -8,6 +9,7 @@ from launcher_util import SCRIPTS, kinds, run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import launcher
+from nvrx_core.ft.agent import stopped_by_the_poll
 from nvrx_core.report import attribution
 from nvrx_core.report.incidents import find_incidents
 
@@ -151,6 +153,34 @@ def test_terminal_worker_exit_code_is_not_restarted(tmp_path):
     assert result.returncode == ExitCode.PREEMPTED, result.stdout[-3000:]
     cycles = {line.split(":")[1] for line in marker.read_text().splitlines()}
     assert cycles == {"0"}  # one cycle only
+
+
+@pytest.mark.parametrize("start", [[], ["--no-warm-start"]], ids=["warm", "cold"])
+def test_a_rank_the_launcher_stopped_after_a_peer_failed_is_recorded_as_stopped_not_blamed(tmp_path, start):
+    """Rank 1 exits 1; rank 0 sleeps until torch's poll terminates it. That SIGTERM is the
+    launcher's, so the failure record names rank 0 stopped and the report does not blame it."""
+    events_file = tmp_path / "events.jsonl"
+    result = run_launcher(["--nproc-per-node", "2", "--max-restarts", "0", "--events-file", str(events_file),
+                           *start, FAIL_JOB, "--exit-code", "1", "--fail-rank", "1"])
+    assert result.returncode != 0, result.stdout[-3000:]
+    events = read_events(str(events_file))
+    [failed] = kinds(events, "workers_failed")
+    assert failed["exit_codes"]["1"] == 1
+    assert failed["stopped_ranks"] == [0]
+    [incident] = find_incidents(events)
+    assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.EXITED, [1]), incident.verdict
+
+
+def test_ranks_stopped_by_the_poll_are_the_ones_still_running_when_it_began():
+    sigterm, sigkill = -signal.SIGTERM, -signal.SIGKILL
+    assert stopped_by_the_poll({1: sigkill, 0: sigterm}, running_before={0}) == [0]  # cold start
+    assert stopped_by_the_poll({1: 1}, running_before={0, 2}) == [0, 2]  # warm start: not listed
+    assert stopped_by_the_poll({1: 1, 0: sigkill, 2: sigterm}, running_before={0, 1, 2}) == [0, 2]
+    # an outside SIGTERM that ended the rank before the poll is the fault, not the stop
+    assert stopped_by_the_poll({1: sigterm, 0: sigterm}, running_before={0}) == [0]
+    # every failed rank looks stopped (one died as the poll began): none can be told apart
+    assert stopped_by_the_poll({1: sigkill, 0: sigterm}, running_before={0, 1}) == []
+    assert stopped_by_the_poll({0: 1}, running_before=set()) == []
 
 
 def test_finished_flag_honoured_and_written(tmp_path):

@@ -87,12 +87,13 @@ def test_without_collective_records_the_first_silent_rank_is_blamed():
     assert (v.kind, v.culprits) == (a.HANG, [1]) and v.basis == "heartbeat and section records"
 
 
-def crash_cycle(codes, exceptions=()):
+def crash_cycle(codes, exceptions=(), stopped=()):
     events = cycle_start(0, 0)
     for t, rank, type_name, message in exceptions:
         events.append(e(t, "worker_exception", 0, rank=rank, type=type_name, message=message,
                         traceback=f'  File "/x/train.py", line 7, in step\n{type_name}: {message}\n'))
-    return events + [e(5, "workers_failed", 0, exit_codes={str(r): c for r, c in codes.items()})] + cycle_start(6, 1)
+    failed = e(5, "workers_failed", 0, exit_codes={str(r): c for r, c in codes.items()}, stopped_ranks=list(stopped))
+    return events + [failed] + cycle_start(6, 1)
 
 
 def test_a_killed_rank_is_blamed_and_the_peer_whose_collective_broke_is_waiting():
@@ -126,6 +127,24 @@ def test_a_peer_stopped_after_the_raising_rank_failed_is_not_blamed():
     events[3:3] = [e(4.05, "rank_disconnected", 0, rank=0), e(4.09, "rank_disconnected", 0, rank=1)]
     v = verdict(events)
     assert (v.kind, v.culprits) == (a.EXCEPTION, [0]), v
+
+
+def test_a_rank_the_launcher_stopped_before_its_collective_broke_is_not_blamed():
+    """torch's poll saw rank 1 killed and terminated rank 0 before rank 0's gloo call failed:
+    rank 0's SIGTERM is the launcher's stop (seen in a loaded CI run: blamed [0, 1] before)."""
+    events = crash_cycle({1: -9, 0: -15}, stopped=[0])
+    events[2:2] = [e(4.0, "rank_disconnected", 0, rank=1), e(4.02, "rank_disconnected", 0, rank=0)]
+    v = verdict(events)
+    assert (v.kind, v.culprits, v.waiting) == (a.KILLED, [1], [0]), v
+    assert any("rank 0: stopped by the launcher (SIGTERM)" in line for line in v.evidence)
+
+
+def test_a_rank_the_launcher_stopped_that_only_vanished_is_not_blamed():
+    """Warm start: torch lists only the failed rank; the rank its poll terminated just vanishes."""
+    events = crash_cycle({1: 1}, stopped=[0])
+    events[2:2] = [e(4.0, "rank_disconnected", 0, rank=0)]
+    v = verdict(events)
+    assert (v.kind, v.culprits) == (a.EXITED, [1]), v
 
 
 def test_preemption_blames_no_rank():

@@ -8,7 +8,7 @@ subclass only hooks into its extension points:
   (pytorch#135712: torch reuses the rendezvous store, and restarted workers picked up stale
   process-group keys about half the time);
 - on failure (also of a worker killed while writing its error record for torch): events,
-  a record of which ranks died how, terminal exit codes that must not be retried
+  a record of which ranks died how and which torch's poll stopped because of it, terminal exit codes that must not be retried
   (preempted, straggler stop, rerun verdicts), and a limit on restart cycles that made no
   progress;
 - stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
@@ -17,6 +17,7 @@ subclass only hooks into its extension points:
 import dataclasses
 import logging
 import pickle
+import signal
 import time
 import uuid
 from typing import Callable, Dict, List, Optional, Set, Tuple
@@ -31,6 +32,7 @@ from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
+from nvrx_core.proc import ProcessHandle
 from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits
 
 logger = logging.getLogger("nvrx.ft.launcher")
@@ -115,6 +117,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         self._no_progress_cycles = 0
         self.last_failures: Dict[int, int] = {}
         self._worker_groups: Set[int] = set()
+        self._worker_handles: Dict[int, Optional[ProcessHandle]] = {}
 
     # ---- start -----------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -183,6 +186,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         self.monitor.workers_started({w.global_rank: pids[w.local_rank] for w in worker_group.workers
                                       if w.local_rank in pids})
         self._worker_groups = set(pids.values())  # each worker leads its own process group
+        self._hold_workers({w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids})
         self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
                          pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
         return pids
@@ -198,6 +202,8 @@ class FaultTolerantAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._supervise_monitor()
+        running_before = {rank for rank, handle in self._worker_handles.items()
+                          if handle is not None and not handle.exited()}
         try:
             result = super()._monitor_workers(worker_group)
         except (EOFError, pickle.UnpicklingError) as e:
@@ -206,7 +212,8 @@ class FaultTolerantAgent(LocalElasticAgent):
             self._failure_reported = True
             self.last_failures = {rank: f.exitcode for rank, f in result.failures.items()}
             self.events.emit(ev.WORKERS_FAILED, cycle=self.attempt,
-                             exit_codes={str(r): c for r, c in self.last_failures.items()})
+                             exit_codes={str(r): c for r, c in self.last_failures.items()},
+                             stopped_ranks=stopped_by_the_poll(self.last_failures, running_before))
             terminal = sorted({c for c in self.last_failures.values() if c in TERMINAL_EXIT_CODES})
             if terminal:
                 self._stop_workers(worker_group)
@@ -269,6 +276,38 @@ class FaultTolerantAgent(LocalElasticAgent):
         super()._shutdown(*args, **kwargs)
         kill_process_groups(self._worker_groups)
         self._worker_groups = set()
+        self._hold_workers({})
+
+    def _hold_workers(self, pids: Dict[int, int]) -> None:
+        """Hold this cycle's workers by pidfd ({global rank: pid}), releasing the last cycle's;
+        None for a worker gone already (it exited before any poll)."""
+        for handle in self._worker_handles.values():
+            if handle is not None:
+                handle.close()
+        self._worker_handles = {}
+        for rank, pid in pids.items():
+            try:
+                self._worker_handles[rank] = ProcessHandle.open(pid)
+            except ProcessLookupError:
+                self._worker_handles[rank] = None
+
+
+def stopped_by_the_poll(codes: Dict[int, int], running_before: Set[int]) -> List[int]:
+    """The ranks that torch's poll itself stopped, from {rank: exit code} of one failure and
+    the ranks still running when that poll began.
+
+    Once one worker has failed, torch's poll terminates the rest; a cold start lists them
+    among the failures too, with exit codes that look like outside kills, a warm start not at
+    all (they just vanish). A rank running when the poll began and not failed on its own (no
+    exit code, or the stop's SIGTERM or the SIGKILL after it) was stopped, not faulty: an
+    incident report must not blame it. If no rank is left that failed on its own, one died
+    just as the poll began and the two cannot be told apart: none is named.
+    """
+    stop_codes = (-signal.SIGTERM, -signal.SIGKILL)
+    failed_on_its_own = {rank for rank, code in codes.items() if rank not in running_before or code not in stop_codes}
+    if not failed_on_its_own:
+        return []
+    return sorted(running_before - failed_on_its_own)
 
 
 check_agent_hooks(FaultTolerantAgent)

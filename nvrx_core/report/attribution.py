@@ -17,7 +17,7 @@ The rule everywhere: a rank that was waiting for another is named as waiting, ne
 import dataclasses
 import re
 import signal
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
@@ -93,6 +93,15 @@ def _exit_codes(events: List[dict]) -> Dict[int, int]:
                 except (TypeError, ValueError):
                     continue
     return codes
+
+
+def _stopped_by_launcher(events: List[dict]) -> Set[int]:
+    """Ranks the launcher stopped because another rank failed (see FaultTolerantAgent)."""
+    stopped: Set[int] = set()
+    for e in events:
+        if e["kind"] == ev.WORKERS_FAILED:
+            stopped.update(r for r in e.get("stopped_ranks") or () if isinstance(r, int))
+    return stopped
 
 
 def _signal_name(code: int) -> str:
@@ -246,6 +255,7 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
         return None
     exceptions = _first_by_rank(events, WORKER_EXCEPTION)
     gone = _first_by_rank(events, ev.RANK_DISCONNECTED)
+    stopped = _stopped_by_launcher(events)
     culprits: Dict[int, str] = {}
     waiting: List[int] = []
     lines = []
@@ -260,6 +270,9 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
                 culprits[rank] = EXCEPTION
                 where = _innermost_frame(str(exc.get("traceback", "")))
                 lines.append(f"rank {rank}: raised {text}" + (f" at {where}" if where else ""))
+        elif rank in stopped:
+            waiting.append(rank)
+            lines.append(f"rank {rank}: stopped by the launcher ({_signal_name(code)}) after another rank failed")
         elif code is not None and code < 0:
             culprits[rank] = KILLED
             lines.append(f"rank {rank}: killed by {_signal_name(code)} (not sent by nvrx)")
@@ -269,7 +282,7 @@ def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
                   + [exceptions[r]["time"] for r in culprits if culprits[r] == EXCEPTION],
                   default=float("inf"))
     vanished = {r for r, e in gone.items() if e["time"] <= noticed}
-    for rank in sorted(vanished - set(codes) - set(exceptions)):
+    for rank in sorted(vanished - set(codes) - set(exceptions) - stopped):
         # gone before the agent looked (a peer's failure ended the cycle first), with no
         # exception: its process vanished, as a killed one does
         culprits[rank] = KILLED
