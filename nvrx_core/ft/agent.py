@@ -8,9 +8,9 @@ subclass only hooks into its extension points:
   (pytorch#135712: torch reuses the rendezvous store, and restarted workers picked up stale
   process-group keys about half the time);
 - on failure (also of a worker killed while writing its error record for torch): events,
-  a record of which ranks died how and which torch's poll stopped because of it, terminal exit codes that must not be retried
-  (preempted, straggler stop, rerun verdicts), and a limit on restart cycles that made no
-  progress;
+  a record of which ranks died how and which ones torch's poll stopped because of that,
+  terminal exit codes that must not be retried (preempted, straggler stop, rerun verdicts),
+  and a limit on restart cycles that made no progress;
 - stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
 """
 
