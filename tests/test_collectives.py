@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nvrx_core import collectives
+from nvrx_core import collectives, torch_compat
 from nvrx_core.collectives import Collectives, group_device, is_distributed
 import warm_python
 
@@ -129,7 +129,7 @@ def _exercise_late_release(coll, rank, hold_s=0.3):
 def _who_holds(index, tensor):
     """What keeps a handed tensor alive after the helper returned (seen once in 15 loaded CI
     runs, cause not yet known): its C++ and Python reference counts and its referrers."""
-    return {"index": index, "shape": list(tensor.shape), "use_count": torch.Tensor._use_count(tensor),
+    return {"index": index, "shape": list(tensor.shape), "use_count": torch_compat.tensor_use_count(tensor),
             "python_refs": sys.getrefcount(tensor) - 1,
             "referrers": [type(r).__name__ for r in gc.get_referrers(tensor)]}
 
