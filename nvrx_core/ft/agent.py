@@ -183,10 +183,10 @@ class FaultTolerantAgent(LocalElasticAgent):
             logger.warning("the node monitor did not take the new cycle: %s", e)
         self._failure_reported = False
         pids = super()._start_workers(worker_group)
-        self.monitor.workers_started({w.global_rank: pids[w.local_rank] for w in worker_group.workers
-                                      if w.local_rank in pids})
+        by_rank = {w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids}
+        self.monitor.workers_started(by_rank)
         self._worker_groups = set(pids.values())  # each worker leads its own process group
-        self._hold_workers({w.global_rank: pids[w.local_rank] for w in worker_group.workers if w.local_rank in pids})
+        self._hold_workers(by_rank)
         self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
                          pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
         return pids
