@@ -57,3 +57,20 @@ def test_stop_decision_and_ranks_without_data():
     last = run(rounds, stop_if_detected=True)[-1]
     assert set(last.ranks) == {0, 2} and last.world_size == 3
     assert last.flagged_ranks == (2,) and last.stop
+
+
+def with_wait(p, wait_ms):
+    return dict(p, wait_ms=wait_ms)
+
+
+def test_waited_for_names_the_least_waiting_rank_only_when_the_others_clearly_wait():
+    # Ranks 0-2 wait ~9 ms a step for rank 3 (10 ms of compute each): rank 3 is named.
+    waits = [9.0, 9.5, 8.8, 0.4]
+    (report,) = run([[with_wait(payload(r, 10.0), w) for r, w in enumerate(waits)]])
+    assert report.waited_for == 3
+    # Waits that differ by less than 10 % of the median compute (1 ms) are a balanced job's noise.
+    (balanced,) = run([[with_wait(payload(r, 10.0), w) for r, w in enumerate([1.2, 0.9, 1.5, 0.6])]])
+    assert balanced.waited_for is None
+    # A single rank reporting a wait names nobody: there is nobody to compare with.
+    (alone,) = run([[with_wait(payload(0, 10.0), 0.1), {"rank": 1}]])
+    assert alone.waited_for is None
