@@ -63,13 +63,12 @@ def test_exception_restarts(tmp_path, reference_hash):
     result, events, digest = launch_train(tmp_path, "exc", job_flags=["--fault", "rank_exception:0:12"])
     assert result.returncode == 0, result.stdout[-3000:]
     assert digest == reference_hash
-    # Rank 1 fails too, in gloo, once rank 0's exception resets its connection; which process
-    # exits first is a race (a loaded soak run saw rank 1 exit 1 ms ahead, rank 0 then stopped).
-    # Each rank either exited 1 by itself or was stopped, and the report, which reads the
-    # exceptions, names rank 0.
+    # Rank 1 fails too, in gloo, once rank 0's exception resets its connection, and which of
+    # the two the launcher's poll records is a race: loaded soak runs saw {0: 1}, and {1: 1}
+    # with rank 0 stopped. Whoever is recorded exited 1 (not a signal); the report, which
+    # reads the exceptions, names rank 0.
     [failed] = kinds(events, "workers_failed")
-    assert set(failed["exit_codes"].values()) == {1}, failed
-    assert {int(r) for r in failed["exit_codes"]} | set(failed["stopped_ranks"]) == {0, 1}, failed
+    assert failed["exit_codes"] and set(failed["exit_codes"].values()) == {1}, failed
     [incident] = find_incidents(events)
     assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.EXCEPTION, [0]), incident.verdict
 
