@@ -204,10 +204,10 @@ def test_slow_ranks_flagged_within_two_reports_with_scores_one_over_k(tmp_path):
     # Everyone waits for rank 3 in the (wrapped) all_reduce: 75 ms more forward a step, 50 ms
     # more than rank 2. Waits are real time, and on a loaded host a rank oversleeps its sleeps
     # by tens of ms a step for whole reports; such a rank is really the one waited for in that
-    # report (soak runs with 20 and 30 ms gaps saw ranks 0 and 2 named in one or two reports of
-    # four). So the gap is well above those oversleeps, and rank 3 is judged over the four
-    # reports after the slowdown: it waits less than the unslowed ranks in sum and is the rank
-    # named most. Rank 2 (also slowed) is not compared on summed waits.
+    # report (soak runs with fwd 10 and 20 ms, gaps of 10-20 ms, saw ranks 0 and 2 named in one
+    # or two reports of four). So the gap is well above those oversleeps, and rank 3 is judged
+    # over the four reports after the slowdown: it waits less than the unslowed ranks in sum and
+    # is the rank named most. Rank 2 (also slowed) is not compared on summed waits.
     assert all(r["wrapped"] and r["restored"] for r in results)
     after = reports[inject_after:]
     waits = {rank: sum(rep["wait_ms"][str(rank)] for rep in after) for rank in range(4)}
