@@ -243,8 +243,17 @@ def test_a_slurm_dry_run_writes_an_sbatch_script_our_launcher_accepts(tmp_path, 
     assert "export NVRX_PREEMPTED_EXIT_CODE=0" in script
     [cfg_line] = [line for line in script.splitlines() if line.startswith("export FAULT_TOL_CFG_PATH=")]
     cfg_path = cfg_line.split("=", 1)[1].strip('"')
-    assert cfg_path.startswith(str(tmp_path / "cluster")) and os.path.exists(cfg_path)
-    assert yaml.safe_load(open(cfg_path))["fault_tolerance"]["rank_section_timeouts"] == {"setup": 600, "step": 60}
+    assert cfg_path.startswith(str(tmp_path / "cluster"))
+    assert not os.path.exists(cfg_path)
+    # the script itself writes the file when the job starts (setup left NeMo-Run's job dir alone)
+    before_cfg = script.split("export FAULT_TOL_CFG_PATH=", 1)[0]
+    heredoc = f"cat > {cfg_path} <<'NVRX_FT_CFG_EOF'\n"
+    assert heredoc in before_cfg
+    written = before_cfg.split(heredoc, 1)[1].split("\nNVRX_FT_CFG_EOF\n", 1)[0]
+    assert yaml.safe_load(written)["fault_tolerance"]["rank_section_timeouts"] == {"setup": 600, "step": 60}
+    cfg_path = str(tmp_path / "ft_cfg.yml")
+    with open(cfg_path, "w") as f:
+        f.write(written)
 
     [launch] = [line for line in script.splitlines() if " ft_launcher " in line]
     argv = shlex.split(launch.split(" ft_launcher ", 1)[1])
@@ -267,3 +276,21 @@ def test_the_example_dry_runs_a_partial_with_our_launcher(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "'ft_launcher'" in out.stdout and "FAULT_TOL_CFG_PATH" in out.stdout
     assert "ft.enable_ft_package=true" not in out.stdout   # a Partial gets a config, not arguments
+
+
+def test_on_slurm_the_config_is_written_by_the_job_and_setup_twice_keeps_the_users_lines_once(tmp_path):
+    # NeMo-Run creates the job directory after plugins run and refuses one that exists: setup must not create it
+    executor = run.SlurmExecutor(account="acct", setup_lines="module load cuda\nexport A=1",
+                                 tunnel=run.LocalTunnel(job_dir=str(tmp_path / "experiments")))
+    executor.assign("exp_1", str(tmp_path / "experiments" / "exp" / "exp_1"), "job", "job")
+    task = run.Script(path="/opt/train.py")
+    for values in ({"rank_heartbeat_timeout": 300}, {"rank_heartbeat_timeout": 90}):
+        FaultTolerancePlugin(**values).setup(task, executor)
+    assert not (tmp_path / "experiments").exists()
+    assert executor.setup_lines.startswith("module load cuda\nexport A=1\n# nvrx-suite")
+    assert executor.setup_lines.count("NVRX_FT_CFG_EOF") == 2            # one heredoc: the second setup's
+    assert "rank_heartbeat_timeout: 90" in executor.setup_lines and ": 300" not in executor.setup_lines
+    path = os.path.join(str(tmp_path / "experiments" / "exp" / "exp_1" / "job"), "job_ft_cfg.yml")
+    result = subprocess.run(["bash", "-c", executor.setup_lines.split("\n", 2)[2]], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(open(path))["fault_tolerance"]["rank_heartbeat_timeout"] == 90

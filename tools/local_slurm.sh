@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# A real Slurm cluster on this one host: munge, one slurmctld and NODES slurmd daemons
-# (`slurmd -N n1`, `-N n2`, ...), each a "node" with its own port, spool, log and pid file.
-# Debian's slurm-wlm and munge are installed when missing (root only).
+# A real Slurm cluster on this one host: munge, MariaDB + slurmdbd (accounting: `sacct`, which
+# NeMo-Run polls for a job's state), one slurmctld and NODES slurmd daemons (`slurmd -N n1`,
+# `-N n2`, ...), each a "node" with its own port, spool, log and pid file.
+# Debian's slurm-wlm, slurmdbd, mariadb-server and munge are installed when missing (root only).
 #
 #   tools/local_slurm.sh up      install if needed, start what is not running, wait until idle
 #   tools/local_slurm.sh down    stop every daemon this script started (the state dir stays)
@@ -11,7 +12,7 @@
 # Idempotent: `up` twice leaves one set of daemons; `down` when nothing runs succeeds.
 # Settings (environment): NVRX_SLURM_DIR (state, default /var/tmp/nvrx-slurm),
 # NVRX_SLURM_NODES (3), NVRX_SLURM_CPUS (CPUs each node claims, 4),
-# NVRX_SLURM_PORT (slurmctld's port, 16817; node i listens on PORT+i).
+# NVRX_SLURM_PORT (slurmctld's port, 16817; slurmdbd PORT-1; node i listens on PORT+i).
 # Jobs find the cluster through SLURM_CONF=$NVRX_SLURM_DIR/slurm.conf; /etc/slurm is not touched.
 set -euo pipefail
 
@@ -20,19 +21,23 @@ NODES=${NVRX_SLURM_NODES:-3}
 CPUS=${NVRX_SLURM_CPUS:-4}
 PORT=${NVRX_SLURM_PORT:-16817}
 CONF=$DIR/slurm.conf
+DBD_PORT=$((PORT - 1))
+DB_SOCKET=$DIR/mysql.sock
+PACKAGES="slurm-wlm slurmdbd mariadb-server munge"
 export SLURM_CONF=$CONF
 
 die() { echo "local_slurm: $*" >&2; exit 1; }
 
 install_packages() {
-  command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
-    && command -v sbatch >/dev/null && return
-  [ "$(id -u)" = 0 ] || die "slurm-wlm and munge are missing and only root can install them (apt-get install slurm-wlm munge)"
-  command -v apt-get >/dev/null || die "slurm-wlm and munge are missing and there is no apt-get to install them"
-  echo "local_slurm: installing slurm-wlm and munge" >&2
+  local cmd missing=0
+  for cmd in slurmctld slurmd slurmdbd munged sbatch mariadbd; do command -v $cmd >/dev/null || missing=1; done
+  [ $missing = 0 ] && return
+  [ "$(id -u)" = 0 ] || die "missing packages; only root can install them (apt-get install $PACKAGES)"
+  command -v apt-get >/dev/null || die "missing packages and no apt-get to install them ($PACKAGES)"
+  echo "local_slurm: installing $PACKAGES" >&2
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null \
-    || die "apt-get install slurm-wlm munge failed"
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $PACKAGES >/dev/null || die "apt-get install $PACKAGES failed"
 }
 
 node_names() { local i; for i in $(seq 1 "$NODES"); do echo "n$i"; done; }
@@ -67,7 +72,9 @@ write_conf() {
     echo "ReturnToService=2"
     echo "SlurmdParameters=config_overrides"
     echo "JobCompType=jobcomp/none"
-    echo "AccountingStorageType=accounting_storage/none"
+    echo "AccountingStorageType=accounting_storage/slurmdbd"
+    echo "AccountingStorageHost=localhost"
+    echo "AccountingStoragePort=$DBD_PORT"
     echo "JobAcctGatherType=jobacct_gather/none"
     echo "SlurmctldTimeout=30"
     echo "SlurmdTimeout=30"
@@ -112,6 +119,54 @@ wait_for() {  # what, seconds, command...
   done
 }
 
+write_dbd_conf() {
+  local tmp=$DIR/slurmdbd.conf.tmp
+  {
+    echo "# written by tools/local_slurm.sh"
+    echo "AuthType=auth/munge"
+    echo "DbdHost=localhost"
+    echo "DbdPort=$DBD_PORT"
+    echo "SlurmUser=root"
+    echo "PidFile=$DIR/slurmdbd.pid"
+    echo "LogFile=$DIR/log/slurmdbd.log"
+    echo "StorageType=accounting_storage/mysql"
+    echo "StorageHost=localhost"
+    echo "StorageLoc=slurm_acct_db"
+    echo "StorageUser=root"
+  } > "$tmp"
+  chmod 600 "$tmp"
+  mv "$tmp" "$DIR/slurmdbd.conf"
+}
+
+db_answers() { mariadb --socket="$DB_SOCKET" -u root -e "select 1" >/dev/null 2>&1; }
+
+start_database() {
+  db_answers && return
+  if [ ! -d "$DIR/mysql/mysql" ]; then
+    mkdir -p "$DIR/mysql"
+    mariadb-install-db --user=root --datadir="$DIR/mysql" --auth-root-authentication-method=socket \
+      >"$DIR/log/mariadb-install.log" 2>&1 || die "mariadb-install-db failed (see $DIR/log/mariadb-install.log)"
+  fi
+  # --skip-networking: slurmdbd reaches it through the socket that StorageHost=localhost means
+  mkdir -p /run/mysqld
+  mariadbd --user=root --datadir="$DIR/mysql" --socket="$DB_SOCKET" --pid-file="$DIR/mariadb.pid" \
+    --skip-networking --log-error="$DIR/log/mariadb.log" >/dev/null 2>&1 &
+  wait_for "mariadb" 60 db_answers
+  ln -sf "$DB_SOCKET" /run/mysqld/mysqld.sock
+}
+
+dbd_answers() { sacctmgr -n -P list cluster >/dev/null 2>&1; }
+
+start_slurmdbd() {
+  write_dbd_conf
+  if ! alive "$DIR/slurmdbd.pid"; then
+    slurmdbd 2>>"$DIR/log/slurmdbd.stderr" \
+      || die "slurmdbd did not start (see $DIR/log)"
+  fi
+  wait_for "slurmdbd" 60 dbd_answers
+  sacctmgr -n -P list cluster format=cluster | grep -qx nvrx || sacctmgr -i add cluster nvrx >/dev/null
+}
+
 ctld_answers() { scontrol ping 2>/dev/null | grep -q "is UP"; }
 
 all_idle() {
@@ -126,6 +181,8 @@ up() {
   install_packages
   start_munge
   write_conf
+  start_database
+  start_slurmdbd
   if ! alive "$DIR/slurmctld.pid"; then
     slurmctld -f "$CONF" -c 2>>"$DIR/log/slurmctld.stderr" || die "slurmctld did not start (see $DIR/log)"
   fi
@@ -160,6 +217,8 @@ down() {
   local f
   for f in "$DIR"/slurmd-*.pid; do [ -e "$f" ] && stop_pidfile "$f"; done
   stop_pidfile "$DIR/slurmctld.pid"
+  stop_pidfile "$DIR/slurmdbd.pid"
+  stop_pidfile "$DIR/mariadb.pid"
   return 0
 }
 

@@ -9,11 +9,14 @@ names; ft_launcher reads it first and the command line's flags on top:
   does not exist yet when plugins run), and the plugin exports its path and a finished-flag
   path in the job directory (NeMo-Run exports neither for local jobs);
 - SlurmExecutor: the template exports `FAULT_TOL_CFG_PATH` naming `<job>_ft_cfg.yml` in the
-  job directory on the cluster side but never writes it; the plugin writes it there through
-  the executor's tunnel.
+  job directory on the cluster side but never writes it. The sbatch script writes it there
+  itself (the executor's `setup_lines`), when the job starts: plugins run before NeMo-Run
+  creates that directory, and NeMo-Run refuses an experiment directory that already exists
+  (the usual LocalTunnel layout, whose job dir is the experiments dir, makes them one).
 """
 
 import os
+import re
 import shlex
 import tempfile
 from pathlib import Path
@@ -38,7 +41,7 @@ def install_ft_config(executor: Any, run: Any, values: Dict[str, Any]) -> str:
     """Write the fault-tolerance YAML where this executor's ft_launcher will look; its path."""
     text = ft_config_yaml(values)
     if isinstance(executor, run.SlurmExecutor):
-        return _put_through_tunnel(executor, text)
+        return _write_from_the_sbatch_script(executor, text)
     # Not in the job directory: plugins run before NeMo-Run creates the experiment directory,
     # and it refuses one that already exists.
     path = os.path.join(tempfile.mkdtemp(prefix=f"nvrx-ft-{_job_name(executor)}-"), LOCAL_FT_CONFIG)
@@ -54,13 +57,20 @@ def slurm_ft_config_path(executor: Any) -> str:
     return os.path.join(base, f"{executor.job_name}_ft_cfg.yml")
 
 
-def _put_through_tunnel(executor: Any, text: str) -> str:
+SETUP_MARK = "# nvrx-suite: write the fault-tolerance YAML that FAULT_TOL_CFG_PATH names"
+_DELIMITER = "NVRX_FT_CFG_EOF"
+
+
+def _write_from_the_sbatch_script(executor: Any, text: str) -> str:
+    """Add shell lines to the executor's `setup_lines` that write the YAML on the cluster side
+    when the job starts (each attempt: a requeued job writes it again, unchanged). A second
+    setup replaces its own lines and keeps the user's."""
     remote = slurm_ft_config_path(executor)
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, os.path.basename(remote))
-        atomic_write_bytes(local, text.encode())
-        executor.tunnel.run(f"mkdir -p {shlex.quote(os.path.dirname(remote))}", in_stream=False)
-        executor.tunnel.put(local, remote)
+    block = "\n".join([SETUP_MARK, f"mkdir -p {shlex.quote(os.path.dirname(remote))}",
+                       f"cat > {shlex.quote(remote)} <<'{_DELIMITER}'", text.rstrip("\n"), _DELIMITER])
+    ours = re.compile(rf"\n?{re.escape(SETUP_MARK)}\n.*?\n{_DELIMITER}(\n|$)", re.S)
+    user = ours.sub("", executor.setup_lines or "").rstrip("\n")
+    executor.setup_lines = f"{user}\n{block}" if user else block
     return remote
 
 
