@@ -1,0 +1,104 @@
+"""The local Slurm cluster of tools/local_slurm.sh, for tests that submit real jobs to it.
+
+`cluster_env()` brings the cluster up once (idempotent) and skips the calling test only
+where the packages cannot be installed here. `wait_for_job` follows a job to its end,
+requeues included, and `JobRecord` is what Slurm says of it.
+
+Slurm holds a requeued batch job for about two minutes (`Reason=BeginTime`) before it may
+start again; a test cannot afford that for each requeue, so `wait_for_job` releases such a
+job at once (`scontrol update StartTime=now`) and counts the requeues it saw. Nothing
+else of the scheduler's behaviour is changed.
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import time
+from typing import Callable, Dict, List, Optional
+
+import pytest
+
+from launcher_util import REPO
+
+SCRIPT = os.path.join(REPO, "tools", "local_slurm.sh")
+SLURM_DIR = os.environ.get("NVRX_SLURM_DIR", "/var/tmp/nvrx-slurm")
+CONF = os.path.join(SLURM_DIR, "slurm.conf")
+UNINSTALLABLE = ("only root can install", "no apt-get")
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED"}
+
+_UP: List[Dict[str, str]] = []
+
+
+def cluster_env() -> Dict[str, str]:
+    """The environment (SLURM_CONF) that reaches the cluster, brought up on first use."""
+    if not _UP:
+        out = subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            if any(reason in out.stderr for reason in UNINSTALLABLE):
+                pytest.skip(f"no Slurm here and it cannot be installed: {out.stderr.strip()}")
+            raise RuntimeError(f"tools/local_slurm.sh up failed:\n{out.stdout}\n{out.stderr}")
+        _UP.append({"SLURM_CONF": CONF})
+    return dict(_UP[0])
+
+
+def slurm(*args: str, check: bool = True) -> str:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=60, env=dict(os.environ, SLURM_CONF=CONF))
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+@dataclasses.dataclass
+class JobRecord:
+    job_id: str
+    state: str
+    reason: str
+    restarts: int
+    exit_code: str
+    nodes: str
+    requeues_released: int = 0
+
+
+def job_record(job_id: str) -> Optional[JobRecord]:
+    """What `scontrol show job` says now; None once Slurm forgot the job."""
+    out = slurm("scontrol", "show", "job", "-o", job_id, check=False)
+    if not out.strip():
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S*)", out))
+    return JobRecord(job_id, fields.get("JobState", ""), fields.get("Reason", ""), int(fields.get("Restarts", 0)),
+                     fields.get("ExitCode", ""), fields.get("NodeList", ""))
+
+
+def wait_for_job(job_id: str, timeout: float = 300, while_running: Optional[Callable[[JobRecord], None]] = None
+                 ) -> JobRecord:
+    """Poll until the job ended for good (a final state, not requeued); release each
+    requeue hold at once. `while_running(record)` is called at each poll while it runs."""
+    deadline = time.monotonic() + timeout
+    released = 0
+    while True:
+        record = job_record(job_id)
+        assert record is not None, f"Slurm forgot job {job_id}"
+        record.requeues_released = released
+        if record.state in FINAL_STATES:
+            return record
+        if record.state == "PENDING" and record.reason == "BeginTime" and record.restarts > released:
+            slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+            released = record.restarts
+        if record.state == "RUNNING" and while_running is not None:
+            while_running(record)
+        if time.monotonic() > deadline:
+            slurm("scancel", job_id, check=False)
+            raise AssertionError(f"job {job_id} still {record.state} ({record.reason}) after {timeout}s: cancelled")
+        time.sleep(0.5)
+
+
+def node_down(node: str) -> None:
+    """The node fails as far as Slurm is concerned: its jobs' tasks there are killed."""
+    slurm("scontrol", "update", f"nodename={node}", "state=down", "reason=nvrx-test")
+
+
+def nodes_back() -> None:
+    """Every node that a test downed is resumed, and the cluster waits until all are idle again."""
+    subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=600, check=True)
