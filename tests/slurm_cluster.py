@@ -13,6 +13,7 @@ else of the scheduler's behaviour is changed.
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import time
 from typing import Callable, Dict, List, Optional
@@ -94,11 +95,63 @@ def wait_for_job(job_id: str, timeout: float = 300, while_running: Optional[Call
         time.sleep(0.5)
 
 
-def node_down(node: str) -> None:
-    """The node fails as far as Slurm is concerned: its jobs' tasks there are killed."""
-    slurm("scontrol", "update", f"nodename={node}", "state=down", "reason=nvrx-test")
+def crash_node(node: str) -> List[int]:
+    """The node dies as a machine does: its slurmd and every process of a job step there are
+    SIGKILLed (the processes are found by the SLURMD_NODENAME their step gave them, with the
+    slurmstepd above them), and Slurm is told it is DOWN, as a health check would. It stays
+    down until `nodes_back()`. The pids killed."""
+    pidfile = os.path.join(SLURM_DIR, f"slurmd-{node}.pid")
+    with open(pidfile) as f:
+        _kill(int(f.read().strip()))
+    victims = set()
+    for pid in _pids():
+        if _environ(pid).get("SLURMD_NODENAME") == node:
+            victims.add(pid)
+            parent = _parent(pid)
+            if parent and _comm(parent).startswith("slurmstepd"):
+                victims.add(parent)
+    for pid in sorted(victims, key=lambda p: not _comm(p).startswith("slurmstepd")):
+        _kill(pid)
+    slurm("scontrol", "update", f"nodename={node}", "state=down", "reason=nvrx-test-crash")
+    return sorted(victims)
+
+
+def _pids() -> List[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _environ(pid: int) -> Dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = f.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(p.decode(errors="replace").split("=", 1) for p in pairs if b"=" in p)
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def nodes_back() -> None:
-    """Every node that a test downed is resumed, and the cluster waits until all are idle again."""
+    """Every node that a test crashed is started and resumed; returns once all are idle again."""
     subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=600, check=True)
