@@ -228,3 +228,26 @@ def default_registry() -> SignalRegistry:
         if _default is None or _default_pid != os.getpid():
             _default, _default_pid = SignalRegistry(), os.getpid()
         return _default
+
+
+STOP_REQUEST_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals that reach every process of a job to ask it to stop: Slurm's --signal (SIGTERM, or
+the one it names) goes to every process of the job step, a terminal's ^C and hang-up to its
+whole foreground group. The default action of each ends the process."""
+
+
+def ignore_stop_requests(owner: str, registry: Optional[SignalRegistry] = None) -> List[SignalClaim]:
+    """Ignore STOP_REQUEST_SIGNALS in a helper process whose parent decides when it stops (the
+    node monitor, the warm-start fork server): a stop request to the whole job must reach the
+    parent and the workers, and must not take the helpers the parent still needs while its
+    workers save. Returns the claims (release them to undo)."""
+    registry = registry if registry is not None else default_registry()
+    claims: List[SignalClaim] = []
+    try:
+        for number in STOP_REQUEST_SIGNALS:
+            claims.append(registry.claim(number, owner, signal.SIG_IGN))
+    except BaseException:
+        for claim in reversed(claims):
+            claim.release()
+        raise
+    return claims

@@ -39,3 +39,13 @@ def test_the_command_module_imports_no_torch():
     code = "import sys, nvrx_core.ft.command; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_fork_server_ignores_stop_signals_from_its_first_import_and_nothing_else_does():
+    """fork_server_signals acts only inside multiprocessing's fork server (the job-wide SIGTERM
+    it survives is tested in test_preemption_step_signal.py); imported anywhere else it is inert."""
+    assert PRELOAD[0] == "nvrx_core.ft.fork_server_signals"
+    code = ("import signal, nvrx_core.ft.fork_server_signals as f; "
+            "print(f.imported_by_fork_server(), signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]

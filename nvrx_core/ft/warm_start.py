@@ -17,8 +17,11 @@ import signal
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from nvrx_core.signals import STOP_REQUEST_SIGNALS
+
+# fork_server_signals first: the server ignores a job-wide stop signal from then on (its docstring).
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
+PRELOAD = ("nvrx_core.ft.fork_server_signals", "torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
 
 _KEPT_UNTIL_EXIT: list = []
 """The finished script's globals (its DDP model, optimizer, process groups). Freed in the main
@@ -113,8 +116,7 @@ def become_like_a_fresh_interpreter() -> None:
       fork server (multiprocessing's "bootstrapping phase" error), its workers would watch the
       wrong parent and outlive a killed rank, and `set_start_method(...)` would raise.
     - A main process's name, default signal dispositions (a forked child inherits the
-      launcher's: torch's agent turns SIGTERM into an exception, which makes a worker blocked
-      in a collective slow to stop) and `-u` streams.
+      server's: it ignores every stop request, see fork_server_signals) and `-u` streams.
     """
     try:
         os.setsid()
@@ -122,9 +124,8 @@ def become_like_a_fresh_interpreter() -> None:
         pass
     multiprocessing.set_start_method(None, force=True)
     multiprocessing.current_process().name = "MainProcess"
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in STOP_REQUEST_SIGNALS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)
 
