@@ -16,6 +16,7 @@ from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.watch import next_deadline
+from nvrx_core.signals import STOP_REQUEST_SIGNALS
 from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,6 +134,29 @@ def test_a_monitor_that_keeps_dying_is_given_up(tmp_path, cleanup):
     handle.process.wait()
     with pytest.raises(MonitorLost, match="died 3 times"):
         handle.ensure_running()
+
+
+def test_the_monitor_outlives_a_stop_signal_to_the_whole_job_and_ends_when_the_launcher_asks(tmp_path, cleanup):
+    """Slurm's --signal reaches every process of the job step, the monitor included: it keeps
+    watching the ranks while they save (their timeouts still hold), not restarted, and ends on
+    the launcher's request (MonitorHandle.stop), not by being killed."""
+    handle = MonitorHandle(FTConfig(rank_heartbeat_timeout=2, initial_rank_heartbeat_timeout=60), None)
+    cleanup(handle)
+    pid = handle.process.pid
+    handle.cycle_stats()  # serving: its dispositions are set
+    rank = Rank(handle.socket_path)
+    cleanup(rank)
+    handle.workers_started({0: rank.pid})
+    rank.do("hb")
+    for sig in STOP_REQUEST_SIGNALS:
+        os.kill(pid, sig)
+    # the signals were delivered before it could read the request: had one ended it, this
+    # request would have been answered by a restarted monitor
+    assert handle.cycle_stats()["cycle"] == 0
+    assert handle.process.pid == pid and handle.process.poll() is None
+    assert rank.proc.wait(timeout=60) == -signal.SIGKILL  # still enforcing: the silent rank is a hang
+    handle.stop()
+    assert handle.process.returncode == 0  # it took the stop request; SIGKILL is only the fallback
 
 
 def test_shutdown_gives_the_stack_dump_signal_back(tmp_path, cleanup):

@@ -13,7 +13,11 @@ restart cycle and the ranks still running (--adopt): each must re-register withi
 
 Trust: a peer is known by SO_PEERCRED (no credentials, no connection); a rank can only
 register as its own pid, whose pidfd the monitor then holds for every signal; control
-messages (cycle, stats) are accepted from the launcher's pid only.
+messages (cycle, stats, stop) are accepted from the launcher's pid only.
+
+Stop signals sent to the whole job (Slurm's --signal reaches every process of the step) are
+ignored: the ranks may be saving a checkpoint, and their timeouts still hold. The launcher
+ends the monitor with a "stop" request (then SIGKILL), or the monitor notices it is gone.
 
 Imports stdlib only (plus nvrx_core config parsing): it must start fast and never touch torch.
 """
@@ -23,7 +27,6 @@ import json
 import logging
 import os
 import selectors
-import signal
 import socket
 import sys
 import time
@@ -38,12 +41,13 @@ from nvrx_core.ft.protocol import ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
 from nvrx_core.proc import ProcessHandle
+from nvrx_core.signals import ignore_stop_requests
 
 __all__ = ["NodeMonitor", "RankWatch", "next_deadline", "main"]
 
 logger = logging.getLogger("nvrx.ft.monitor")
 
-CONTROL_MESSAGES = frozenset({"cycle", "stats"})
+CONTROL_MESSAGES = frozenset({"cycle", "stats", "stop"})
 REREGISTER_FLOOR = 30.0
 """Seconds an adopted rank has at least to re-register with a restarted monitor."""
 _DRAIN_PASSES = 8  # bounded: a peer flooding the socket must not keep enforcement away
@@ -89,6 +93,7 @@ class NodeMonitor:
                               awaiting_evidence=self._evidence.awaiting_answers,
                               dump_size=lambda w: dump_size(self._stack_file(w)))
         self.cycle = cycle
+        self.stop_requested = False  # by the launcher: serve_forever() returns
         self._cycle_watches: List[RankWatch] = []
         self._cycle_progressed = False
         self._warned_bare_pid = False
@@ -99,7 +104,7 @@ class NodeMonitor:
     # ---- main loop -------------------------------------------------------------
     def serve_forever(self) -> None:
         try:
-            while True:
+            while not self.stop_requested:
                 self.poll(self.cfg.workload_check_interval)
                 if self._launcher_pid is not None and os.getppid() != self._launcher_pid:
                     logger.info("launcher (pid %d) is gone; monitor exiting", self._launcher_pid)
@@ -290,6 +295,9 @@ class NodeMonitor:
         if msg["t"] == "cycle":
             self.cycle, self._cycle_watches, self._cycle_progressed = msg["cycle"], [], False
             self._reply(conn, encode("ok"))
+        elif msg["t"] == "stop":
+            self.stop_requested = True
+            self._reply(conn, encode("ok"))
         else:
             self._reply(conn, encode("stats_reply", stats=self.cycle_stats()))
 
@@ -391,12 +399,15 @@ def main(argv=None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=cfg.log_level, stream=sys.stderr,
                         format="[nvrx monitor %(asctime)s] %(levelname)s %(message)s")
-    listener = socket.socket(fileno=args.fd)
-    monitor = NodeMonitor(listener, cfg, ev.EventLog(args.events_file, source="monitor"),
-                          launcher_pid=args.parent_pid, cycle=args.cycle, adopt=adopt)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
-    monitor.serve_forever()
+    # A stop signal to the whole job (Slurm's --signal) must not end the watch while the ranks
+    # save: the launcher decides when the monitor stops (a "stop" request), or its exit does.
+    claims = ignore_stop_requests("node monitor")
+    try:
+        NodeMonitor(socket.socket(fileno=args.fd), cfg, ev.EventLog(args.events_file, source="monitor"),
+                    launcher_pid=args.parent_pid, cycle=args.cycle, adopt=adopt).serve_forever()
+    finally:
+        for claim in claims:
+            claim.release()
     return 0
 
 

@@ -163,14 +163,20 @@ class MonitorHandle:
         return self.request("stats")["stats"]
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._close_control()
+        """End the monitor: a "stop" request, then SIGKILL if it has not exited within `timeout`.
+        Not SIGTERM: the monitor ignores stop signals, which the scheduler sends the whole job."""
         if self.process.poll() is None:
-            self.process.terminate()
+            deadline = time.monotonic() + timeout
             try:
-                self.process.wait(timeout)
+                self._exchange(encode("stop"), timeout)
+            except (OSError, ValueError) as e:  # stopped, hung, or died meanwhile
+                logger.info("the node monitor did not take the stop request (%s)", e)
+            try:
+                self.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._close_control()
         self._release_workers()
         self._listener.close()
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -21,6 +21,7 @@ Rank -> monitor (fire and forget, except `init`):
 Launcher -> monitor (request / reply; refused from any other process):
   cycle       {cycle}                                    a new restart cycle begins -> ok
   stats       -> stats {ranks, heartbeats, section_ends, max_iteration}   for the cycle so far
+  stop        the launcher is done: exit -> ok
 Monitor -> rank:
   dump_collectives                                       a hang was detected in this cycle: say where you are
 Monitor -> any peer:
@@ -54,6 +55,7 @@ _SCHEMA = {
     "collectives": {"groups": dict},
     "cycle": {"cycle": int},
     "stats": {},
+    "stop": {},
     # monitor -> client
     "init_ok": {"config": dict, "timeouts": dict},
     "ok": {},
