@@ -21,7 +21,7 @@ TESTED_TORCH_VERSIONS = ("2.13.0", "2.14.1")
 
 AGENT_HOOKS = (
     "_initialize_workers", "_rendezvous", "_start_workers", "_monitor_workers",
-    "_restart_workers", "_stop_workers", "_shutdown",
+    "_restart_workers", "_stop_workers", "_shutdown", "_invoke_run",
 )
 """The protected methods of torch's LocalElasticAgent that FaultTolerantAgent overrides.
 If torch stops calling one, ours would silently never run: each must still exist."""
@@ -81,13 +81,23 @@ def restarts_left(agent: Any) -> int:
 
 
 def worker_exits(agent: Any) -> Dict[int, Tuple[int, Optional[int]]]:
-    """{local rank: (pid, exit code or None while running)} of the workers a LocalElasticAgent
-    started as multiprocessing processes (warm start), read from its process context: what
-    the agent reports when torch's own poll could not say which worker failed how."""
-    purpose = "the elastic agent's worker processes, read when torch's poll raised"
+    """{local rank: (pid, exit code or None while running; -N: killed by signal N)} of a
+    LocalElasticAgent's workers, read from its process context: torch's own poll reports only
+    failures, and of a warm start's (multiprocessing) workers only the first. Used when that
+    poll could not say which worker failed how, and after a stop signal, for every worker."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SubprocessContext
+
+    purpose = "the elastic agent's worker processes and their exit codes"
     pcontext = require(agent, "_pcontext", purpose)
-    processes = require(require(pcontext, "_pc", purpose), "processes", purpose)
-    return {local_rank: (p.pid, p.exitcode) for local_rank, p in enumerate(processes)}
+    if isinstance(pcontext, SubprocessContext):  # a script entrypoint: one Popen per worker
+        handlers = require(pcontext, "subprocess_handlers", purpose)
+        return {local_rank: (h.proc.pid, h.proc.poll()) for local_rank, h in handlers.items()}
+    if not isinstance(pcontext, MultiprocessContext):  # None: no worker started yet
+        return {}
+    started = require(pcontext, "_pc", purpose)
+    if started is None:
+        return {}
+    return {local_rank: (p.pid, p.exitcode) for local_rank, p in enumerate(require(started, "processes", purpose))}
 
 
 # ---- c10d ----------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
-"""FTConfig, the wire protocol and timeout bookkeeping, tested on their own."""
+"""FTConfig, the wire protocol, timeout bookkeeping and the stop-signal rule, tested on their own."""
 
+import logging
+import os
 import signal
 
 import pytest
 
 from nvrx_core.config import ConfigError
+from nvrx_core.ft import stop_signal
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor import RankWatch, next_deadline
 from nvrx_core.ft.protocol import MAX_MESSAGE_BYTES, LineBuffer, ProtocolError, decode, encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
+from waiting import wait_for
 
 
 # ---- config -------------------------------------------------------------------
@@ -207,3 +211,33 @@ def test_simulated_fault_validation(kwargs, needle):
 
     with pytest.raises(ConfigError, match=needle):
         SimulatedFault(**kwargs)
+
+
+@pytest.mark.parametrize("codes,expected", [
+    ({0: 18, 1: 18}, True),
+    ({0: 18, 1: -signal.SIGKILL}, True),   # killed after the grace: no veto on the rank that saved
+    ({0: 18, 1: None}, True),              # still alive after SIGKILL (uninterruptible sleep)
+    ({0: -signal.SIGTERM, 1: -signal.SIGTERM}, False),  # no rank handled it
+    ({0: 18, 1: 1}, False),
+    ({0: 18, 1: 0}, False),
+    ({}, False),
+])
+def test_a_stop_signal_is_a_preemption_when_every_worker_that_exited_on_its_own_saved(codes, expected):
+    assert stop_signal.preempted(codes) is expected
+    stop = stop_signal.SignalStop(signal.SIGTERM, [0, 1], codes)
+    assert stop.exit_code() == (18 if expected else 143)
+
+
+def test_the_stop_signals_are_torch_s_and_a_repeat_only_logs_until_released(caplog):
+    assert stop_signal.handled_signals({}) == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    assert stop_signal.handled_signals({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR1, SIGNOPE"}) == [signal.SIGUSR1]
+    before = signal.getsignal(signal.SIGUSR1)
+    claims = stop_signal.hold_repeats([signal.SIGUSR1], grace=7)
+    try:
+        with caplog.at_level(logging.WARNING, logger="nvrx.ft.launcher"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            wait_for(lambda: "received SIGUSR1 again" in caplog.text, what="the repeat logged")
+    finally:
+        for claim in claims:
+            claim.release()
+    assert signal.getsignal(signal.SIGUSR1) == before

@@ -11,7 +11,9 @@ subclass only hooks into its extension points:
   a record of which ranks died how and which ones torch's poll stopped because of that,
   terminal exit codes that must not be retried (preempted, straggler stop, rerun verdicts),
   and a limit on restart cycles that made no progress;
-- stopping workers waits --workers-stop-timeout, not torch's fixed 30 s.
+- stopping workers waits --workers-stop-timeout, not torch's fixed 30 s;
+- a stop signal from outside (the scheduler's preemption warning): forwarded to the workers
+  as torch does, then their exits say whether they saved (ft/stop_signal.py).
 """
 
 import dataclasses
@@ -23,8 +25,9 @@ import uuid
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
@@ -32,7 +35,9 @@ from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
+from nvrx_core.ft.stop_signal import SignalStop, handled_signals, hold_repeats
 from nvrx_core.proc import ProcessHandle
+from nvrx_core.signals import SignalClaim, SignalClaimError
 from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits
 
 logger = logging.getLogger("nvrx.ft.launcher")
@@ -118,6 +123,9 @@ class FaultTolerantAgent(LocalElasticAgent):
         self.last_failures: Dict[int, int] = {}
         self._worker_groups: Set[int] = set()
         self._worker_handles: Dict[int, Optional[ProcessHandle]] = {}
+        self.signal_stop: Optional[SignalStop] = None
+        """The stop signal this launcher received from outside, if any, and the workers' exits."""
+        self._repeat_claims: List[SignalClaim] = []
 
     # ---- start -----------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -271,12 +279,49 @@ class FaultTolerantAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:
         self._shutdown(timeout=self.settings.workers_stop_timeout)
 
-    def _shutdown(self, *args, **kwargs) -> None:
-        """Stop the workers (torch), then everything they started (see process_groups)."""
-        super()._shutdown(*args, **kwargs)
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
+        """Stop the workers (torch: `death_sig`, --workers-stop-timeout, then SIGKILL), note their
+        exits if a stop signal asked for this, then kill everything they started (process_groups)."""
+        super()._shutdown(death_sig, self.settings.workers_stop_timeout)
+        stop = self.signal_stop
+        if stop is not None and stop.exit_codes is None:
+            stop.exit_codes = self._exit_codes()
+            self.events.emit(ev.LAUNCHER_SIGNALED, cycle=self.attempt, signal=stop.signal.name,
+                             running_ranks=stop.running_ranks, preempted=stop.preempted,
+                             exit_codes={str(rank): code for rank, code in stop.exit_codes.items()},
+                             grace_s=self.settings.workers_stop_timeout)
         kill_process_groups(self._worker_groups)
         self._worker_groups = set()
         self._hold_workers({})
+
+    # ---- a stop signal from outside (ft/stop_signal.py) ----------------------------
+    def _invoke_run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        try:
+            return super()._invoke_run(role)
+        except SignalException as e:
+            self._stop_signal_received(e.sigval)
+            raise  # torch's run() forwards it to the workers: our _shutdown(e.sigval)
+
+    def _stop_signal_received(self, sig: signal.Signals) -> None:
+        running = sorted(rank for rank, h in self._worker_handles.items() if h is not None and not h.exited())
+        self.signal_stop = SignalStop(sig, running)
+        grace = self.settings.workers_stop_timeout
+        logger.warning("received %s: forwarding it to the running workers (ranks %s), which have %.0f s to exit "
+                       "before SIGKILL; no restart follows", sig.name, running, grace)
+        try:
+            self._repeat_claims = hold_repeats(handled_signals(), grace)
+        except SignalClaimError as e:  # another part holds one: a repeat may then cut the grace short
+            logger.warning("cannot hold repeated stop signals: %s", e)
+
+    def release_signals(self) -> None:
+        """Give back what _stop_signal_received claimed (call once the launcher is done)."""
+        while self._repeat_claims:
+            self._repeat_claims.pop().release()
+
+    def _exit_codes(self) -> Dict[int, Optional[int]]:
+        """{global rank: exit code (None: still alive; -N: killed by signal N)} of this cycle's workers."""
+        by_local = {w.local_rank: w.global_rank for w in self.get_worker_group().workers}
+        return {by_local.get(local, local): code for local, (_, code) in sorted(worker_exits(self).items())}
 
     def _hold_workers(self, pids: Dict[int, int]) -> None:
         """Hold this cycle's workers by pidfd ({global rank: pid}), releasing the last cycle's;

@@ -292,12 +292,19 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
         return ExitCode.FAILURE
     except SignalException as e:
         shutdown_rdzv = False  # other nodes may still rendezvous on this run id
-        logger.warning("launcher received %s; workers stopped", e.sigval.name)
-        return 128 + int(e.sigval)
+        stop = agent.signal_stop  # None: the signal came outside the run loop; no worker was asked
+        code = stop.exit_code() if stop is not None else 128 + int(e.sigval)
+        exits = stop.exit_codes if stop is not None else None
+        if code == ExitCode.PREEMPTED:
+            logger.warning("received %s; the workers saved and exited PREEMPTED (%s): preempted", e.sigval.name, exits)
+        else:
+            logger.warning("launcher received %s; workers stopped (exit codes %s)", e.sigval.name, exits)
+        return code
     finally:
         if shutdown_rdzv:
             handler.shutdown()
         monitor.stop()
+        agent.release_signals()
 
 
 class _WithoutTraceback(logging.Filter):
@@ -332,11 +339,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     logging.getLogger("nvrx").setLevel(ft_cfg.log_level)
     events.emit(ev.LAUNCHER_STARTED, process_started=process_start_time(os.getpid()))
     code = launch(args, settings, ft_cfg, events)
-    events.emit(ev.LAUNCHER_EXIT, exit_code=int(code), meaning=describe(code))
+    status = int(code)
     if code == ExitCode.PREEMPTED and preempted_code is not None:
         logger.info("preempted: exiting %d, as $%s asks", preempted_code, PREEMPTED_EXIT_CODE_ENV)
-        return preempted_code
-    return int(code)
+        status = preempted_code
+    events.emit(ev.LAUNCHER_EXIT, exit_code=int(code), meaning=describe(code), process_exit_code=status)
+    return status
 
 
 def console_main() -> None:
