@@ -155,6 +155,27 @@ def test_preemption_blames_no_rank():
     assert (v.kind, v.culprits) == (a.PREEMPTED, []) and "SIGTERM" in v.evidence[0]
 
 
+def test_a_preemption_the_launcher_was_signalled_for_is_no_failed_cycle():
+    """Slurm's warning reached the launcher; every rank saved and exited 18: the scheduler took
+    the job, nothing failed (a preemption seen only as a worker's exit 18 stays an incident)."""
+    events = cycle_start(0, 0) + [
+        e(3, "launcher_signaled", 0, signal="SIGTERM", running_ranks=[0, 1], preempted=True,
+          exit_codes={"0": 18, "1": 18}),
+        e(3.1, "preemption_agreed", 0, rank=0, step=12, signals_here=["SIGTERM"]),
+        e(4, "launcher_exit", exit_code=18, process_exit_code=0)]
+    assert find_incidents(events) == []
+
+
+def test_a_stop_signal_the_workers_did_not_handle_blames_no_rank():
+    events = cycle_start(0, 0) + [
+        e(3, "launcher_signaled", 0, signal="SIGTERM", running_ranks=[0, 1], preempted=False,
+          exit_codes={"0": -15, "1": -15}),
+        e(4, "launcher_exit", exit_code=143)]
+    [incident] = find_incidents(events)
+    assert (incident.verdict.kind, incident.verdict.culprits, incident.verdict.waiting) == (a.SIGNALED, [], [])
+    assert "SIGTERM" in incident.verdict.evidence[0] and incident.detected_time == 3
+
+
 def test_a_straggler_stop_blames_the_straggler():
     events = cycle_start(0, 0) + [
         e(3, "straggler_found", 0, rank=0, straggler_rank=1, straggler_node="n1", score_kind="relative",

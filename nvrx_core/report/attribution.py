@@ -12,6 +12,8 @@ The rule everywhere: a rank that was waiting for another is named as waiting, ne
   is the culprit's.
 - Preemption, a straggler stop, a lost node and the rerun state machine's exits say who in
   their own events and exit codes.
+- A stop signal the launcher received from outside (the scheduler) blames no rank, when
+  nothing else in the cycle went wrong: its workers were stopped, they did not fail.
 """
 
 import dataclasses
@@ -34,6 +36,7 @@ COLLECTIVE_HANG = "hang inside a collective"
 PREEMPTED = "preempted"
 STRAGGLER = "straggler stop"
 NODE_LOST = "node lost"
+SIGNALED = "stopped by a signal to the launcher"
 RERUN = "rerun state machine"
 EXITED = "rank exited"
 UNKNOWN = "unknown"
@@ -114,7 +117,7 @@ def _signal_name(code: int) -> str:
 def attribute(events: List[dict]) -> Verdict:
     """The verdict on one failed cycle (`events`: the cycle's events, in time order)."""
     codes = _exit_codes(events)
-    for judge in (_preempted, _straggler, _node_lost, _rerun, _hang, _crash):
+    for judge in (_preempted, _straggler, _node_lost, _rerun, _hang, _crash, _signaled):
         verdict = judge(events, codes)
         if verdict is not None:
             return verdict
@@ -248,6 +251,15 @@ def _earliest_silence(states: Dict[int, dict], ranks) -> Optional[float]:
     times = [states[r].get("last_progress_time") for r in ranks if r in states]
     times = [t for t in times if isinstance(t, (int, float))]
     return min(times) if times else None
+
+
+def _signaled(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
+    signaled = [e for e in events if e["kind"] == ev.LAUNCHER_SIGNALED]
+    if not signaled:
+        return None
+    evidence = [f"ft_launcher received {e.get('signal')} and forwarded it to ranks {e.get('running_ranks')}; "
+                f"then the workers exited with {e.get('exit_codes')}" for e in signaled]
+    return Verdict(SIGNALED, [], [], evidence, "the launcher's signal record", fault_time=signaled[0]["time"])
 
 
 def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:

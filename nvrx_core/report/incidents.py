@@ -14,6 +14,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 from nvrx_core import events as ev
+from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report.attribution import Verdict, attribute
 from nvrx_core.report.events_file import SOURCE
 
@@ -88,9 +89,12 @@ def _first(events: List[dict], *kinds: str) -> Optional[dict]:
 
 
 def _failed(window: List[dict], is_last: bool, exit_event: Optional[dict]) -> bool:
+    """A cycle failed if it holds a failure record, or it was the last and the launcher then
+    exited with an error. Not a preemption the launcher was told of (its stop signal, after
+    which every rank saved): the scheduler took the job; nothing in it failed."""
     if any(e["kind"] in FAILURE_KINDS for e in window):
         return True
-    return is_last and exit_event is not None and exit_event.get("exit_code") not in (0, None)
+    return is_last and exit_event is not None and exit_event.get("exit_code") not in (0, None, ExitCode.PREEMPTED)
 
 
 def find_incidents(events: List[dict]) -> List[Incident]:
@@ -116,7 +120,7 @@ def find_incidents(events: List[dict]) -> List[Incident]:
 
 def _timed(key: CycleKey, verdict: Verdict, own: List[dict], after: List[dict], exit_event: Optional[dict]) -> Incident:
     detected = _first(own, ev.FAULT_DETECTED, "hang_evidence", ev.WORKERS_FAILED, ev.NODE_LOST,
-                      ev.STRAGGLER_FOUND, "preemption_agreed")
+                      ev.STRAGGLER_FOUND, "preemption_agreed", ev.LAUNCHER_SIGNALED)
     detected_time = detected["time"] if detected is not None else None
     fault_time = verdict.fault_time
     if fault_time is None or (detected_time is not None and fault_time > detected_time):
