@@ -1,0 +1,150 @@
+"""Preemption the way Slurm signals it: SIGTERM to every process of the job step at once.
+
+`sbatch --signal=TERM@60` has slurmstepd send SIGTERM to ft_launcher, its node monitor, its
+warm-start fork server, every worker and their children. A real 2-rank job
+(tests/scripts/preempt_job.py) gets it that way, warm and cold started: every rank saves at
+the same step and exits PREEMPTED (18), the helpers survive the signal (the monitor is not
+restarted, the fork server still reports the workers' exits), and the launcher ends 18 (0
+under NVRX_PREEMPTED_EXIT_CODE=0) with the preemption in its events and no failed cycle in the
+report. SIGTERM to the launcher alone is forwarded to the workers, with the same result. A
+script without a preemption handler is killed by the forwarded signal, and the launcher exits
+143 as torchrun does. Nothing of the job outlives the launcher.
+"""
+
+import json
+import os
+import signal
+
+import pytest
+
+import warm_python
+from launcher_util import SCRIPTS, kill_tree, kinds
+from nvrx_core.events import read_events
+from nvrx_core.exit_codes import ExitCode
+from nvrx_core.ft.process_groups import descendants
+from nvrx_core.proc import process_start_time
+from nvrx_core.report import attribution
+from nvrx_core.report.incidents import find_incidents
+from waiting import wait_for
+
+JOB = os.path.join(SCRIPTS, "preempt_job.py")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _progress(out, rank):
+    try:
+        with open(os.path.join(out, f"progress.rank{rank}")) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid, started):
+    """`pid` is still the process that started at `started`, and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X") and process_start_time(pid) == started
+
+
+def run_job(tmp_path, start_args, job_args, signal_to, env=None):
+    """Start ft_launcher on the job, wait until both ranks train, SIGTERM the launcher (and, for
+    "step", every process below it at once: the launcher first, then the rest, as fast as a
+    loop can), and return (exit code, output, events, the processes the job had)."""
+    out, events_file = str(tmp_path), str(tmp_path / "events.jsonl")
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    full_env.pop("NVRX_EVENTS_FILE", None)
+    full_env.pop("FAULT_TOL_FINISHED_FLAG_FILE", None)
+    launcher = warm_python.popen(
+        ["-m", "nvrx_core.ft.command", "--nproc-per-node", "2", "--max-restarts", "2",
+         "--workers-stop-timeout", "90", "--events-file", events_file, *start_args, JOB, "--out", out, *job_args],
+        stdout=warm_python.PIPE, stderr=warm_python.STDOUT, text=True, env=full_env, start_new_session=True,
+        preload=warm_python.LAUNCHER)
+    try:
+        wait_for(lambda: all((_progress(out, r) or {}).get("step", -1) >= 4 for r in (0, 1)), timeout=150,
+                 what="both workers training")
+        workers = {_progress(out, r)["pid"] for r in (0, 1)}
+        wait_for(lambda: workers <= descendants(launcher.pid), timeout=30, what="both workers in the tree")
+        tree = [launcher.pid, *sorted(descendants(launcher.pid))]
+        started = {pid: process_start_time(pid) for pid in tree}
+        commands = {pid: _cmdline(pid) for pid in tree}
+        for pid in tree if signal_to == "step" else tree[:1]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        output, _ = launcher.communicate(timeout=180)
+        # the monitor and the fork server end with the launcher; the rest was stopped before
+        wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+    finally:
+        kill_tree(launcher.pid)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    return launcher.returncode, output, read_events(events_file), commands
+
+
+def _reports(out):
+    return [json.load(open(os.path.join(out, f"report.rank{r}.json"))) for r in (0, 1)]
+
+
+def _check_preempted(tmp_path, events, output):
+    reports = _reports(str(tmp_path))
+    assert reports[0]["stopped_at"] == reports[1]["stopped_at"], reports  # every rank saves at the same step
+    for report in reports:
+        assert report["signals"] and set(report["signals"]) == {"SIGTERM"}, reports
+        assert (report["sigterm_owner"], report["cycle"]) == ("preemption", 0)
+    [signaled] = kinds(events, "launcher_signaled")
+    assert (signaled["signal"], signaled["preempted"]) == ("SIGTERM", True), signaled
+    assert signaled["exit_codes"] == {"0": ExitCode.PREEMPTED, "1": ExitCode.PREEMPTED}, signaled
+    assert sorted(signaled["running_ranks"]) == [0, 1]
+    assert not kinds(events, "workers_failed") and not kinds(events, "restart_begun"), output[-4000:]
+    assert not kinds(events, "monitor_restarted"), output[-4000:]  # the monitor watched the save through
+    [exit_event] = kinds(events, "launcher_exit")
+    assert (exit_event["exit_code"], exit_event["meaning"]) == (ExitCode.PREEMPTED, "PREEMPTED")
+    assert {e["rank"] for e in kinds(events, "preemption_agreed")} == {0, 1}
+    assert find_incidents(events) == []  # `nvrx report`: no failed cycle, no rank blamed
+    return exit_event
+
+
+@pytest.mark.parametrize("start,env,expected", [
+    ([], {}, ExitCode.PREEMPTED),
+    (["--no-warm-start"], {"NVRX_PREEMPTED_EXIT_CODE": "0"}, 0),
+], ids=["warm", "cold-requeue-code-0"])
+def test_sigterm_to_every_process_of_the_step_saves_and_exits_preempted(tmp_path, start, env, expected):
+    code, output, events, tree = run_job(tmp_path, start, [], "step", env)
+    assert code == expected, output[-6000:]
+    exit_event = _check_preempted(tmp_path, events, output)
+    assert exit_event["process_exit_code"] == expected
+    helpers = " ".join(tree.values())
+    assert "nvrx_core.ft.monitor" in helpers  # the step's signal reached the helpers too
+    if not start:
+        assert "forkserver" in helpers
+
+
+def test_sigterm_to_the_launcher_alone_is_forwarded_to_the_workers(tmp_path):
+    code, output, events, _ = run_job(tmp_path, [], [], "launcher")
+    assert code == ExitCode.PREEMPTED, output[-6000:]
+    _check_preempted(tmp_path, events, output)
+    assert [r["signals"] for r in _reports(str(tmp_path))] == [["SIGTERM"], ["SIGTERM"]]  # forwarded, once
+
+
+def test_workers_without_a_handler_are_stopped_and_the_launcher_exits_128_plus_the_signal(tmp_path):
+    code, output, events, _ = run_job(tmp_path, [], ["--no-handler"], "launcher")
+    assert code == 128 + signal.SIGTERM, output[-6000:]  # torchrun's answer
+    [signaled] = kinds(events, "launcher_signaled")
+    assert signaled["preempted"] is False
+    assert signaled["exit_codes"] == {"0": -signal.SIGTERM, "1": -signal.SIGTERM}, signaled
+    assert not kinds(events, "restart_begun")
+    [incident] = find_incidents(events)  # the job lost its work: one incident, but no rank to blame
+    assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.SIGNALED, [])
