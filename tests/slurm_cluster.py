@@ -1,8 +1,12 @@
 """The local Slurm cluster of tools/local_slurm.sh, for tests that submit real jobs to it.
 
 `cluster_env()` brings the cluster up once (idempotent) and skips the calling test only
-where the packages cannot be installed here. `wait_for_job` follows a job to its end,
-requeues included, and `JobRecord` is what Slurm says of it.
+where the packages cannot be installed here; `exclusive()` holds the cluster for one test
+module at a time (pytest-xdist runs modules side by side, and a crashed node or a fixed
+rendezvous port is the whole cluster's). `wait_for_job` follows a job to its end, requeues
+included, and `JobRecord` is what Slurm says of it. `reference_weights` is the fault-free
+run every case is compared with: the same trainer on 4 ranks under a local ft_launcher (the
+weights depend on the world size, not on how the ranks are spread over nodes).
 
 Slurm holds a requeued batch job for about two minutes (`Reason=BeginTime`) before it may
 start again; a test cannot afford that for each requeue, so `wait_for_job` releases such a
@@ -10,7 +14,10 @@ job at once (`scontrol update StartTime=now`) and counts the requeues it saw. No
 else of the scheduler's behaviour is changed.
 """
 
+import contextlib
 import dataclasses
+import fcntl
+import json
 import os
 import re
 import signal
@@ -20,7 +27,8 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
-from launcher_util import REPO
+from launcher_util import REPO, run_launcher
+from nvrx_core.durable import atomic_write_json
 
 SCRIPT = os.path.join(REPO, "tools", "local_slurm.sh")
 SLURM_DIR = os.environ.get("NVRX_SLURM_DIR", "/var/tmp/nvrx-slurm")
@@ -42,6 +50,37 @@ def cluster_env() -> Dict[str, str]:
             raise RuntimeError(f"tools/local_slurm.sh up failed:\n{out.stdout}\n{out.stderr}")
         _UP.append({"SLURM_CONF": CONF})
     return dict(_UP[0])
+
+
+@contextlib.contextmanager
+def exclusive():
+    """The cluster for this holder alone (an flock, released when the holder's process dies too)."""
+    os.makedirs(SLURM_DIR, exist_ok=True)
+    with open(os.path.join(SLURM_DIR, "tests.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+TRAINER = os.path.join(REPO, "examples", "megatron_style", "pretrain_gpt.py")
+
+
+def reference_weights(shared_dir, iters: int) -> str:
+    """The weights of a fault-free 4-rank run of the trainer (`iters` steps), computed once per
+    test session (PYTEST_XDIST_TESTRUNUID) in `shared_dir` and shared under a lock."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    result = os.path.join(shared_dir, f"slurm_reference-{session}-{iters}.json")
+    with open(result + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(result):
+            root = os.path.join(shared_dir, f"slurm_reference-{session}-{iters}")
+            out = run_launcher(["--nproc-per-node", "4", TRAINER, "--save", os.path.join(root, "ckpt"),
+                                "--train-iters", str(iters), "--result-dir", root], timeout=300)
+            assert out.returncode == 0, out.stdout[-4000:]
+            weights = {json.load(open(os.path.join(root, f"result{r}.json")))["weights"] for r in range(4)}
+            assert len(weights) == 1, weights
+            atomic_write_json(result, {"weights": weights.pop()})
+        with open(result) as f:
+            return json.load(f)["weights"]
 
 
 def slurm(*args: str, check: bool = True) -> str:

@@ -20,7 +20,7 @@ run = nemo_run
 from launcher_util import REPO, kinds  # noqa: E402
 from nvrx_core.events import read_events  # noqa: E402
 from nvrx_nemo_run import FaultTolerancePlugin, PreemptionPlugin  # noqa: E402
-from slurm_cluster import cluster_env, crash_node, nodes_back, wait_for_job  # noqa: E402
+from slurm_cluster import cluster_env, crash_node, exclusive, nodes_back, reference_weights, wait_for_job  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,6 +35,11 @@ FT = dict(initial_rank_heartbeat_timeout=120, rank_heartbeat_timeout=10)
 @pytest.fixture(scope="module", autouse=True)
 def slurm_env(tmp_path_factory):
     env = cluster_env()
+    with exclusive():
+        yield from _nemo_run_can_submit(tmp_path_factory, env)
+
+
+def _nemo_run_can_submit(tmp_path_factory, env):
     # nemo_run packages through invoke, which mirrors stdin: pytest's captured stdin refuses reads
     stdin = open(tmp_path_factory.mktemp("stdin") / "stdin", "w+")
     saved = {k: os.environ.get(k) for k in env}, sys.stdin
@@ -133,35 +138,27 @@ def assert_finished_like_the_reference(job, weights, iters=ITERS):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """A fault-free run.Script job: its weights are what every other case must end with."""
-    root = tmp_path_factory.mktemp("reference")
-    job = Job(root, script(root), plugins())
+def weights(tmp_path_factory):
+    """A fault-free run's weights: what every job must end with."""
+    return reference_weights(str(tmp_path_factory.getbasetemp().parent), ITERS)
+
+
+@pytest.mark.parametrize("make_task", [script, partial])
+def test_a_fault_free_job_finishes_without_a_requeue(tmp_path, weights, make_task):
+    job = Job(tmp_path, make_task(tmp_path), plugins())
     job.wait(timeout=300)
-    return job
-
-
-def test_a_fault_free_script_finishes_without_a_requeue(reference):
-    weights = reference.results()[0]["weights"] if reference.results() else None
-    assert_finished_like_the_reference(reference, weights)
-    assert reference.record.restarts == 0 and reference.attempts() == ["S"]
-    assert not kinds(reference.events(), "restart_begun")
-    assert [e["exit_code"] for e in kinds(reference.events(), "launcher_exit")] == [0, 0]   # both nodes
-
-
-def test_a_fault_free_partial_ends_with_the_scripts_weights(tmp_path, reference):
-    job = Job(tmp_path, partial(tmp_path), plugins())
-    job.wait(timeout=300)
-    assert_finished_like_the_reference(job, reference.results()[0]["weights"])
+    assert_finished_like_the_reference(job, weights)
     assert job.record.restarts == 0 and job.attempts() == ["S"]
+    assert not kinds(job.events(), "restart_begun")
+    assert [e["exit_code"] for e in kinds(job.events(), "launcher_exit")] == [0, 0]   # both nodes
 
 
 @pytest.mark.parametrize("make_task, fault", [(script, "rank_killed:1:3"), (partial, "rank_hung:2:3")],
                          ids=["killed_rank_script", "hung_rank_partial"])
-def test_a_failed_rank_restarts_in_the_job_without_a_requeue(tmp_path, reference, make_task, fault):
+def test_a_failed_rank_restarts_in_the_job_without_a_requeue(tmp_path, weights, make_task, fault):
     job = Job(tmp_path, make_task(tmp_path, fault=fault), plugins())
     job.wait(timeout=400)
-    assert_finished_like_the_reference(job, reference.results()[0]["weights"])
+    assert_finished_like_the_reference(job, weights)
     assert job.record.restarts == 0 and job.attempts() == ["S"]
     events = job.events()
     assert [e["fault"] for e in kinds(events, "fault_injected")] == [fault.split(":")[0]]
@@ -170,7 +167,7 @@ def test_a_failed_rank_restarts_in_the_job_without_a_requeue(tmp_path, reference
         assert kinds(events, "fault_detected"), "the monitor did not report the hang"
 
 
-def test_a_crashed_node_requeues_the_job_which_finishes_on_the_healthy_nodes(tmp_path, reference):
+def test_a_crashed_node_requeues_the_job_which_finishes_on_the_healthy_nodes(tmp_path, weights):
     # slow steps (weights do not depend on the pace): the node goes down mid-run
     job = Job(tmp_path, partial(tmp_path, step_time=0.15), plugins())
     downed = []
@@ -187,7 +184,7 @@ def test_a_crashed_node_requeues_the_job_which_finishes_on_the_healthy_nodes(tmp
         nodes_back()
     assert downed and job.record.restarts >= 1, job.record
     assert downed[0] not in _expand(job.record.nodes)                  # it finished elsewhere
-    assert_finished_like_the_reference(job, reference.results()[0]["weights"])
+    assert_finished_like_the_reference(job, weights)
 
 
 def _expand(nodelist):
@@ -207,3 +204,19 @@ def test_retries_exhausted_stop_the_job_without_an_endless_requeue(tmp_path):
     assert not job.finished()
     launcher_exits = [e["exit_code"] for e in kinds(job.events(), "launcher_exit")]
     assert launcher_exits and all(code != 0 for code in launcher_exits), launcher_exits
+
+
+def test_preemption_by_the_time_limit_signal_requeues_without_a_failed_attempt(tmp_path, weights):
+    # Slurm's check of time limits runs every 30 s: with a 2-minute limit and the signal 75 s before it,
+    # each attempt gets SIGTERM 15-45 s after it starts. 50 s of training outlasts the first attempt.
+    job = Job(tmp_path, script(tmp_path, step_time=0.4), [FaultTolerancePlugin(**FT), PreemptionPlugin(preempt_time=75)],
+              time_limit="00:02:00")
+    job.wait(timeout=800)
+    assert_finished_like_the_reference(job, weights)
+    assert job.record.restarts >= 1 and set(job.attempts()) == {"S"}, (job.record, job.attempts())
+    events = job.events()
+    exits = [e["exit_code"] for e in kinds(events, "launcher_exit")]
+    assert exits.count(18) == 2 * job.record.restarts and exits[-2:] == [0, 0], exits   # each node, each attempt
+    # every rank of an attempt stopped at the same step (four records a step, one step an attempt)
+    steps = [e["step"] for e in kinds(events, "preemption_agreed")]
+    assert sorted(steps.count(step) for step in set(steps)) == [4] * job.record.restarts, steps
