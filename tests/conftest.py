@@ -13,6 +13,8 @@ pytest.register_assert_rewrite("megatron_trainer")
 # handed to xdist's workers first (`--dist loadfile` deals files out in collection order):
 # a long file dealt last would leave the other workers idle while it runs.
 SLOWEST_FILES_FIRST = (
+    "test_slurm_nemo_run.py",            # ~360, real Slurm jobs; holds the cluster (slurm_cluster.exclusive)
+    "test_slurm_sbatch.py",              # ~130, waits for the cluster while the one above has it
     "test_ft_launcher.py",               # 154
     "test_multinode.py",                 # 122 (paced to outlast spares' startup under load)
     "test_megatron_trainer.py",          # 93
