@@ -228,7 +228,7 @@ def _check_stops(cfg, state, straggler, signals, rerun) -> None:
 
         if check_nvrx_straggler_detection(straggler):
             raise StopTraining(ExitCode.STRAGGLER_STOP, "stragglers detected")
-    if signals is not None and any(signals.signals_received()):
+    if signals is not None and any(signals.signals_received(state.train_state.step)):
         raise StopTraining(ExitCode.PREEMPTED, "preemption signal received")
 
 # ---- the parts each config switches on -----------------------------------------------------

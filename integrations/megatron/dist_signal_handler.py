@@ -76,9 +76,11 @@ class DistributedSignalHandler:
         """Whether this rank received `sig` since it entered (no collective)."""
         return self.core.signaled
 
-    def signals_received(self) -> List[bool]:
-        """Collective: one flag per rank of the group, in rank order; every rank must call it."""
-        return self.core.signaled_ranks()
+    def signals_received(self, step: Optional[int] = None) -> List[bool]:
+        """Collective: one flag per rank of the group, in rank order; every rank must call it.
+        `step` (ours, optional): the iteration it is asked at, recorded with the agreement, so
+        the incident timeline says where every rank stopped."""
+        return self.core.signaled_ranks(step)
 
     def __enter__(self) -> "DistributedSignalHandler":
         """Claim `sig` (main thread only: Python runs signal handlers there)."""
