@@ -207,9 +207,10 @@ def test_retries_exhausted_stop_the_job_without_an_endless_requeue(tmp_path):
 
 
 def test_preemption_by_the_time_limit_signal_requeues_without_a_failed_attempt(tmp_path, weights):
-    # Slurm's check of time limits runs every 30 s: with a 2-minute limit and the signal 75 s before it,
-    # each attempt gets SIGTERM 15-45 s after it starts. 50 s of training outlasts the first attempt.
-    job = Job(tmp_path, script(tmp_path, step_time=0.4), [FaultTolerancePlugin(**FT), PreemptionPlugin(preempt_time=75)],
+    # slurmctld sends the warning at its first periodic check (every 30 s) that is within 30 s of the
+    # signal's time: with a 2-minute limit and the signal 60 s before it, 30-60 s into each attempt.
+    # 54 s of training outlasts the first attempt; most jobs finish in the second or third.
+    job = Job(tmp_path, script(tmp_path, step_time=0.45), [FaultTolerancePlugin(**FT), PreemptionPlugin(preempt_time=60)],
               time_limit="00:02:00")
     job.wait(timeout=800)
     assert_finished_like_the_reference(job, weights)
