@@ -172,3 +172,34 @@ def test_bad_rendezvous_options_are_config_errors(conf, expected):
     params = RendezvousParameters("nvrx", "127.0.0.1:0", "job", 1, 1, **conf)
     with pytest.raises(ConfigError, match=expected):
         create_handler(params)
+
+
+def test_a_node_that_finishes_after_the_store_host_left_ends_cleanly(pool, caplog):
+    # the store lives in another process, which exits first (its agent finished a little earlier)
+    import subprocess
+    import sys
+
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import sys, datetime\n"
+        "from torch.distributed import TCPStore\n"
+        "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+        "print(s.port, flush=True)\n"
+        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        nodes = [BarrierRendezvousHandler(TCPStore("127.0.0.1", port, is_master=False,
+                                                   timeout=datetime.timedelta(seconds=5)),
+                                          BarrierSettings("job", 2, 2, **FAST)) for _ in range(2)]
+        assert sorted(ranks(join(pool, *nodes))) == [(0, 2), (1, 2)]
+        host.stdin.close()
+        host.wait(timeout=30)
+        with caplog.at_level("INFO", logger="nvrx.ft.rendezvous"):
+            nodes[1].finish()                       # no exception: the training is done
+            assert nodes[1].shutdown() is True
+        lines = [r.getMessage() for r in caplog.records if "store's host already left" in r.getMessage()]
+        assert len(lines) == 2 and all("\n" not in line and "frame #" not in line for line in lines), lines
+    finally:
+        host.kill()
+        host.wait()
+        for node in locals().get("nodes", []):
+            node._stop.set()

@@ -127,8 +127,12 @@ class BarrierRendezvousHandler(RendezvousHandler):
         self._store.set("closed", "closed")
 
     def finish(self) -> None:
-        """The job succeeded: waiting spares exit 0 instead of failing."""
-        self._store.set("closed", _FINISHED)
+        """The job succeeded: waiting spares exit 0 instead of failing. A node that finished a
+        little later than the store's host may find the store gone: its training is still done."""
+        try:
+            self._store.set("closed", _FINISHED)
+        except DistNetworkError as e:
+            logger.info("the rendezvous store's host already left (the job is done): %s", _first_line(e))
 
     def shutdown(self) -> bool:
         """Close the rendezvous and leave. The store lives in one of the agents, which cannot tell
@@ -145,8 +149,10 @@ class BarrierRendezvousHandler(RendezvousHandler):
                 while left < joined and time.monotonic() < deadline:
                     time.sleep(0.05)
                     left = self._store.add("nodes_left", 0)
-        except Exception as e:  # the store's host is gone already
-            logger.warning("could not close the rendezvous: %s", e)
+        except DistNetworkError as e:  # the store's host is gone already: nothing left to close
+            logger.info("the rendezvous store's host already left: %s", _first_line(e))
+        except Exception as e:
+            logger.warning("could not close the rendezvous: %s", _first_line(e))
         return True
 
     def last_round(self) -> Optional[RoundResult]:
@@ -315,3 +321,9 @@ def create_handler(params: RendezvousParameters) -> BarrierRendezvousHandler:
 def register() -> None:
     """Make `--rdzv-backend nvrx` known to torch's handler registry (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, create_handler)
+
+
+def _first_line(error: Exception) -> str:
+    """torch's store errors carry a C++ stack trace after their first line: noise in a log."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
