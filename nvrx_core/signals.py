@@ -127,8 +127,10 @@ class SignalRegistry:
                 _require_main_thread(f"{owner} cannot claim {name}")
             if not stack:
                 self._previous[signum] = signal.getsignal(signum)
-            else:
-                self._uninstall(stack[-1])
+            elif _is_dump(stack[-1].action) or _is_dump(action):
+                self._uninstall(stack[-1])  # faulthandler's registration is undone by faulthandler
+            # else one Python disposition replaces another at once: undoing it first would pass
+            # through the previous one, and a signal in between would get the default action
             if mine:
                 stack.remove(mine[0])
             claim = SignalClaim(self, signum, owner, action)
