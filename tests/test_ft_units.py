@@ -220,7 +220,7 @@ def test_simulated_fault_validation(kwargs, needle):
     ({0: -signal.SIGTERM, 1: -signal.SIGTERM}, False),  # no rank handled it
     ({0: 18, 1: 1}, False),
     ({0: 18, 1: 0}, False),
-    ({}, False),
+    ({}, True),                            # no worker was started (a hot spare): nothing to save
 ])
 def test_a_stop_signal_is_a_preemption_when_every_worker_that_exited_on_its_own_saved(codes, expected):
     assert stop_signal.preempted(codes) is expected
@@ -228,16 +228,24 @@ def test_a_stop_signal_is_a_preemption_when_every_worker_that_exited_on_its_own_
     assert stop.exit_code() == (18 if expected else 143)
 
 
-def test_the_stop_signals_are_torch_s_and_a_repeat_only_logs_until_released(caplog):
+def test_stop_signals_raise_from_the_start_and_once_held_a_repeat_only_logs(caplog):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     assert stop_signal.handled_signals({}) == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
     assert stop_signal.handled_signals({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR1, SIGNOPE"}) == [signal.SIGUSR1]
     before = signal.getsignal(signal.SIGUSR1)
-    claims = stop_signal.hold_repeats([signal.SIGUSR1], grace=7)
+    stops = stop_signal.StopSignals([signal.SIGUSR1])
+    stops.arm()
     try:
+        with pytest.raises(SignalException) as raised:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            wait_for(lambda: False, timeout=10, what="the signal's exception")
+        assert raised.value.sigval == signal.SIGUSR1
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # as torch's agent does when it starts workers
+        stops.hold(grace=7)
         with caplog.at_level(logging.WARNING, logger="nvrx.ft.launcher"):
             os.kill(os.getpid(), signal.SIGUSR1)
             wait_for(lambda: "received SIGUSR1 again" in caplog.text, what="the repeat logged")
     finally:
-        for claim in claims:
-            claim.release()
+        stops.release()
     assert signal.getsignal(signal.SIGUSR1) == before

@@ -8,7 +8,9 @@ restarted, the fork server still reports the workers' exits), and the launcher e
 under NVRX_PREEMPTED_EXIT_CODE=0) with the preemption in its events and no failed cycle in the
 report. SIGTERM to the launcher alone is forwarded to the workers, with the same result. A
 script without a preemption handler is killed by the forwarded signal, and the launcher exits
-143 as torchrun does. Nothing of the job outlives the launcher.
+143 as torchrun does. A launcher that has no worker yet (a node waiting in its rendezvous, as
+a hot spare does) has nothing to save: it ends PREEMPTED too, not killed by the signal's
+default action. Nothing of the job outlives the launcher.
 """
 
 import json
@@ -19,6 +21,7 @@ import pytest
 
 import warm_python
 from launcher_util import SCRIPTS, kill_tree, kinds
+from nvrx_core.demo.nodes import free_port
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.process_groups import descendants
@@ -148,3 +151,49 @@ def test_workers_without_a_handler_are_stopped_and_the_launcher_exits_128_plus_t
     assert not kinds(events, "restart_begun")
     [incident] = find_incidents(events)  # the job lost its work: one incident, but no rank to blame
     assert (incident.verdict.kind, incident.verdict.culprits) == (attribution.SIGNALED, [])
+
+
+def _catches(pid, sig):
+    """Whether `pid` has a handler for `sig` (the kernel's SigCgt mask)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask & (1 << (sig - 1)))
+
+
+def test_a_launcher_without_workers_yet_ends_preempted_on_a_stop_signal(tmp_path):
+    """A hot spare waiting for a slot, or a node in its first rendezvous (here: the second node
+    never comes), was killed by SIGTERM's default action (torch handles it only once workers
+    run): Slurm then recorded the step as failed. NVRX_PREEMPTED_EXIT_CODE maps it as usual."""
+    events_file = str(tmp_path / "events.jsonl")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NVRX_PREEMPTED_EXIT_CODE="0")
+    env.pop("NVRX_EVENTS_FILE", None)
+    launcher = warm_python.popen(
+        ["-m", "nvrx_core.ft.command", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "alone", "--events-file", events_file,
+         JOB, "--out", str(tmp_path)],
+        stdout=warm_python.PIPE, stderr=warm_python.STDOUT, text=True, env=env, start_new_session=True,
+        preload=warm_python.LAUNCHER)
+    try:
+        wait_for(lambda: _catches(launcher.pid, signal.SIGTERM), timeout=120, what="the launcher handling SIGTERM")
+        tree = [launcher.pid, *sorted(descendants(launcher.pid))]
+        started = {pid: process_start_time(pid) for pid in tree}
+        for pid in tree:
+            os.kill(pid, signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=120)
+        wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+    finally:
+        kill_tree(launcher.pid)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, output[-4000:]
+    events = read_events(events_file)
+    assert not kinds(events, "workers_started")
+    [signaled] = kinds(events, "launcher_signaled")
+    assert (signaled["signal"], signaled["preempted"], signaled["exit_codes"]) == ("SIGTERM", True, {}), signaled
+    [exit_event] = kinds(events, "launcher_exit")
+    assert (exit_event["exit_code"], exit_event["process_exit_code"]) == (ExitCode.PREEMPTED, 0)
+    assert find_incidents(events) == []

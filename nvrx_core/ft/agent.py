@@ -35,9 +35,8 @@ from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
-from nvrx_core.ft.stop_signal import SignalStop, handled_signals, hold_repeats
+from nvrx_core.ft.stop_signal import SignalStop, StopSignals, handled_signals
 from nvrx_core.proc import ProcessHandle
-from nvrx_core.signals import SignalClaim, SignalClaimError
 from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits
 
 logger = logging.getLogger("nvrx.ft.launcher")
@@ -125,7 +124,8 @@ class FaultTolerantAgent(LocalElasticAgent):
         self._worker_handles: Dict[int, Optional[ProcessHandle]] = {}
         self.signal_stop: Optional[SignalStop] = None
         """The stop signal this launcher received from outside, if any, and the workers' exits."""
-        self._repeat_claims: List[SignalClaim] = []
+        self.stop_signals = StopSignals(handled_signals())
+        """Armed by the launcher before run(), released at its end."""
 
     # ---- start -----------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -308,15 +308,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         grace = self.settings.workers_stop_timeout
         logger.warning("received %s: forwarding it to the running workers (ranks %s), which have %.0f s to exit "
                        "before SIGKILL; no restart follows", sig.name, running, grace)
-        try:
-            self._repeat_claims = hold_repeats(handled_signals(), grace)
-        except SignalClaimError as e:  # another part holds one: a repeat may then cut the grace short
-            logger.warning("cannot hold repeated stop signals: %s", e)
-
-    def release_signals(self) -> None:
-        """Give back what _stop_signal_received claimed (call once the launcher is done)."""
-        while self._repeat_claims:
-            self._repeat_claims.pop().release()
+        self.stop_signals.hold(grace)
 
     def _exit_codes(self) -> Dict[int, Optional[int]]:
         """{global rank: exit code (None: still alive; -N: killed by signal N)} of this cycle's workers."""

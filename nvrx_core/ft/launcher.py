@@ -271,6 +271,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     )
     shutdown_rdzv = True
     try:
+        agent.stop_signals.arm()  # before the first rendezvous: a hot spare waits there
         result = agent.run()
         if result is None:  # rendezvous closed gracefully by another node
             return ExitCode.SUCCESS
@@ -304,7 +305,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
         if shutdown_rdzv:
             handler.shutdown()
         monitor.stop()
-        agent.release_signals()
+        agent.stop_signals.release()
 
 
 class _WithoutTraceback(logging.Filter):

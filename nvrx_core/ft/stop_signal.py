@@ -11,6 +11,7 @@ wants another code). Workers that did not handle it keep torchrun's answer: 128 
 
 The helpers the launcher needs meanwhile ignore such signals (signals.ignore_stop_requests):
 the node monitor keeps the saving ranks' timeouts, the fork server reports their exits.
+A launcher without workers (a hot spare) has nothing to save and ends PREEMPTED as well.
 """
 
 import dataclasses
@@ -18,6 +19,8 @@ import logging
 import os
 import signal
 from typing import Dict, List, Optional
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.signals import SignalClaim, default_registry
@@ -27,7 +30,7 @@ logger = logging.getLogger("nvrx.ft.launcher")
 SIGNALS_TO_HANDLE_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 TORCH_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """What torch's agent handles when the variable is unset (torchrun's --signals-to-handle default)."""
-OWNER = "ft_launcher (stopping on a signal)"
+OWNER = "ft_launcher (stop signals)"
 
 
 def handled_signals(environ=os.environ) -> List[signal.Signals]:
@@ -41,7 +44,11 @@ def preempted(exit_codes: Dict[int, Optional[int]]) -> bool:
     """Whether the workers' exits after a stop signal show a preemption: at least one exited
     PREEMPTED, and every worker that exited on its own did. A worker killed by a signal (the
     forwarded one, the SIGKILL after the grace) does not count either way: the scheduler is
-    taking the job, and a rank that saved says the checkpoint was agreed on."""
+    taking the job, and a rank that saved says the checkpoint was agreed on. A launcher that
+    never started a worker (no exits at all: a hot spare waiting for a slot, a node still in its
+    first rendezvous) had nothing to save: preempted too, so it does not fail the job step."""
+    if not exit_codes:
+        return True
     own = [code for code in exit_codes.values() if code is not None and code >= 0]
     return bool(own) and all(code == ExitCode.PREEMPTED for code in own)
 
@@ -65,23 +72,48 @@ class SignalStop:
         return int(ExitCode.PREEMPTED) if self.preempted else 128 + int(self.signal)
 
 
-def hold_repeats(signals: List[signal.Signals], grace: float) -> List[SignalClaim]:
-    """While the workers stop, a repeated signal (Slurm may signal again, a user may press ^C
-    twice) must not cut the bounded grace short: torch's handler would raise out of its wait
-    and leave the workers running. Each is logged instead; release the claims when the
-    launcher ends."""
+class StopSignals:
+    """The launcher's claim on the stop signals, from before its first rendezvous to its end.
 
-    def repeated(number: int, _frame) -> None:
+    torch's agent installs its handler (raise SignalException) only when it starts workers.
+    Before that (a hot spare waiting for a slot, a node still in its first rendezvous) a stop
+    signal took its default action and killed the launcher, and Slurm recorded the step as
+    failed although that node had nothing to save. Armed, the same signals raise the same
+    exception from the start. Once one arrived, hold() makes a repeat (Slurm may signal again,
+    a user may press ^C twice) only log: torch's handler would raise out of the bounded wait
+    for the workers and leave them running."""
+
+    def __init__(self, signals: List[signal.Signals]):
+        self.signals = list(signals)
+        self.grace: Optional[float] = None
+        """Set by hold(): the workers are being stopped within this many seconds."""
+        self._claims: List[SignalClaim] = []
+
+    def arm(self) -> None:
+        """Claim the signals (main thread): each raises SignalException, as torch's handler does."""
+        registry = default_registry()
+        try:
+            for number in self.signals:
+                self._claims.append(registry.claim(number, OWNER, self._on_signal))
+        except BaseException:
+            self.release()
+            raise
+
+    def hold(self, grace: float) -> None:
+        """From now on a repeat only logs. torch's agent put its own handler in place when it
+        started workers: the claims are renewed, so ours runs again."""
+        self.grace = grace
+        registry = default_registry()
+        self._claims = [registry.claim(c.signum, OWNER, self._on_signal, replace=True) for c in self._claims]
+
+    def release(self) -> None:
+        """Give the signals back (the dispositions from before arm() return)."""
+        while self._claims:
+            self._claims.pop().release()
+
+    def _on_signal(self, number: int, _frame) -> None:
+        sig = signal.Signals(number)
+        if self.grace is None:
+            raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
         logger.warning("received %s again: the workers are being stopped already (at most %.0f s, then SIGKILL)",
-                       signal.Signals(number).name, grace)
-
-    registry = default_registry()
-    claims: List[SignalClaim] = []
-    try:
-        for number in signals:
-            claims.append(registry.claim(number, OWNER, repeated))
-    except BaseException:
-        for held in reversed(claims):
-            held.release()
-        raise
-    return claims
+                       sig.name, self.grace)
