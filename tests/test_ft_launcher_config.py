@@ -4,7 +4,7 @@ import pytest
 
 from nvrx_core.config import ConfigError
 from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV
-from nvrx_core.ft.launcher import build_parser, load_ft_config, preempted_exit_code
+from nvrx_core.ft.launcher import attach_flag_values, build_parser, load_ft_config, preempted_exit_code
 
 # What NeMo-Run 0.11's ft_launcher component writes (underscore spellings, zero values dropped).
 NEMO_RUN_ARGV = ["--ft-workload_check_interval", "5", "--ft-initial_rank_heartbeat_timeout", "1800",
@@ -56,3 +56,14 @@ def test_a_preempted_job_ends_with_the_mapped_code(tmp_path):
     assert mapped.returncode == 0, mapped.stdout[-3000:]
     bad = run_launcher(["--nproc-per-node", "1", str(script)], timeout=120, env={PREEMPTED_EXIT_CODE_ENV: "x"})
     assert bad.returncode == 2 and "NVRX_PREEMPTED_EXIT_CODE" in bad.stdout
+
+
+@pytest.mark.parametrize("flag", ["--ft-use-infra-group-rank", "--ft_use_infra_group_rank"])
+def test_a_bare_infra_rank_flag_before_the_script_does_not_swallow_it(flag):
+    # the srun line of docs/slurm.md: the flag last, then the training script
+    args = build_parser().parse_args(attach_flag_values(["--nnodes", "2", flag, "train.py", "--lr", "1"]))
+    assert args.ft_use_infra_group_rank is True
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "1"]
+    for value, expected in (("false", False), ("true", True)):
+        args = build_parser().parse_args(attach_flag_values([flag, value, "train.py"]))
+        assert args.ft_use_infra_group_rank is expected and args.training_script == "train.py"

@@ -92,6 +92,24 @@ def build_parser():
     return parser
 
 
+_INFRA_RANK_FLAGS = ("--ft-use-infra-group-rank", "--ft-use_infra_group_rank", "--ft_use_infra_group_rank")
+
+
+def attach_flag_values(argv: List[str]) -> List[str]:
+    """`... --ft-use-infra-group-rank train.py`: the flag's value is optional, and argparse would
+    take the training script for it (and fail on it). A bare flag not followed by a true/false
+    word becomes `--ft-use-infra-group-rank=true`, as written at the end of an srun line."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg in _INFRA_RANK_FLAGS:
+            following = out[i + 1] if i + 1 < len(out) else None
+            try:
+                _flag_value(following or "")
+            except ValueError:
+                out[i] = f"{arg}=true"
+    return out
+
+
 def _flag_value(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -324,7 +342,7 @@ class _WithoutTraceback(logging.Filter):
 def main(argv: Optional[List[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[ft_launcher %(asctime)s] %(levelname)s %(message)s")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_WithoutTraceback())
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(attach_flag_values(sys.argv[1:] if argv is None else argv))
     if finished.is_finished():
         logger.info("%s exists: the job already finished; exiting 0", finished.finished_flag_path())
         return ExitCode.SUCCESS
