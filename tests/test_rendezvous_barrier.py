@@ -203,3 +203,13 @@ def test_a_node_that_finishes_after_the_store_host_left_ends_cleanly(pool, caplo
         host.wait()
         for node in locals().get("nodes", []):
             node._stop.set()
+
+
+def test_the_heartbeat_thread_is_stopped_and_joined_where_the_rendezvous_stays_open(pool, make_node):
+    # after a stop signal the launcher leaves the rendezvous open for other nodes, but its heartbeat
+    # thread must not outlive it: a daemon thread inside a store call at interpreter exit aborts it
+    nodes = [make_node(), make_node()]
+    assert sorted(ranks(join(pool, *nodes))) == [(0, 2), (1, 2)]
+    assert nodes[0]._pulse.is_alive()
+    nodes[0].stop_heartbeat()
+    assert not nodes[0]._pulse.is_alive() and not nodes[0].is_closed()

@@ -107,6 +107,11 @@ class AgentStoreRendezvous(RendezvousHandler):
         if hasattr(self.inner, "finish"):
             self.inner.finish()
 
+    def stop_heartbeat(self) -> None:
+        """A handler with a heartbeat thread stops it before the launcher exits."""
+        if hasattr(self.inner, "stop_heartbeat"):
+            self.inner.stop_heartbeat()
+
 
 class FaultTolerantAgent(LocalElasticAgent):
     def __init__(self, *args, settings: AgentSettings, monitor: MonitorHandle, events: ev.EventLog, **kwargs):

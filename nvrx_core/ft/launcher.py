@@ -322,6 +322,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     finally:
         if shutdown_rdzv:
             handler.shutdown()
+        handler.stop_heartbeat()
         monitor.stop()
         agent.stop_signals.release()
 

@@ -138,7 +138,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         """Close the rendezvous and leave. The store lives in one of the agents, which cannot tell
         it is that one; so every agent waits (a few heartbeats at most) until every node that
         joined has left too, and no node loses the store before it has read how things ended."""
-        self._stop.set()
+        self.stop_heartbeat()
         try:
             if not self.is_closed():
                 self.set_closed()
@@ -154,6 +154,15 @@ class BarrierRendezvousHandler(RendezvousHandler):
         except Exception as e:
             logger.warning("could not close the rendezvous: %s", _first_line(e))
         return True
+
+    def stop_heartbeat(self, timeout: float = 5.0) -> None:
+        """Stop the heartbeat thread and wait for it (also where the rendezvous stays open for
+        other nodes, as after a stop signal). A daemon thread still inside a store call when the
+        interpreter finalizes is ended by pthread_exit in torch's C++ code, which aborts the
+        process ("terminate called without an active exception", exit 134: seen on Slurm)."""
+        self._stop.set()
+        if self._pulse is not None and self._pulse is not threading.current_thread():
+            self._pulse.join(timeout)
 
     def last_round(self) -> Optional[RoundResult]:
         """The whole result of the last round this node joined (read from the store)."""
