@@ -169,7 +169,7 @@ def test_a_failed_rank_restarts_in_the_job_without_a_requeue(tmp_path, weights, 
 
 def test_a_crashed_node_requeues_the_job_which_finishes_on_the_healthy_nodes(tmp_path, weights):
     # slow steps (weights do not depend on the pace): the node goes down mid-run
-    job = Job(tmp_path, partial(tmp_path, step_time=0.15), plugins())
+    job = Job(tmp_path, partial(tmp_path, step_time=0.08), plugins())
     downed = []
 
     def down_the_second_node_once_training(record):

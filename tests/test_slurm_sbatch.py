@@ -108,7 +108,7 @@ def test_a_crashed_training_node_is_replaced_by_the_spare_within_seconds_without
 
 
 def test_preemption_saves_at_one_step_and_requeues_without_a_failed_attempt(tmp_path, weights):
-    job = submit(tmp_path, 3, 0.15)
+    job = submit(tmp_path, 3, 0.1)
     signalled = []
 
     def preempt_once_training(record):
