@@ -249,3 +249,23 @@ def test_stop_signals_raise_from_the_start_and_once_held_a_repeat_only_logs(capl
     finally:
         stops.release()
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_once_the_run_is_settled_a_stop_signal_only_logs_even_over_torchs_handler(caplog):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def torchs(number, _frame):  # torch's agent leaves this in place after its workers ran
+        raise SignalException("torch", sigval=signal.Signals(number))
+
+    before = signal.getsignal(signal.SIGUSR2)
+    stops = stop_signal.StopSignals([signal.SIGUSR2])
+    stops.arm()
+    try:
+        signal.signal(signal.SIGUSR2, torchs)
+        stops.settle()
+        with caplog.at_level(logging.WARNING, logger="nvrx.ft.launcher"):
+            os.kill(os.getpid(), signal.SIGUSR2)    # no exception: the exit code stands
+            wait_for(lambda: "received SIGUSR2 after the run ended" in caplog.text, what="the late signal logged")
+    finally:
+        stops.release()
+    assert signal.getsignal(signal.SIGUSR2) == before

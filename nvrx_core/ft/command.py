@@ -17,7 +17,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     start_early(argv)
     from nvrx_core.ft.launcher import main as launch
 
-    return launch(argv)
+    code = launch(argv)
+    # The exit code is decided: a stop signal now (Slurm's warning can land while the launcher
+    # tears down after training finished) must not turn it into 128 + signal.
+    from nvrx_core.signals import ignore_stop_requests
+
+    ignore_stop_requests("ft_launcher (exit code decided)")
+    return code
 
 
 if __name__ == "__main__":

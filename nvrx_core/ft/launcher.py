@@ -320,6 +320,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
             logger.warning("launcher received %s; workers stopped (exit codes %s)", e.sigval.name, exits)
         return code
     finally:
+        agent.stop_signals.settle()
         if shutdown_rdzv:
             handler.shutdown()
         handler.stop_heartbeat()

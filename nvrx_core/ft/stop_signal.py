@@ -87,6 +87,8 @@ class StopSignals:
         self.signals = list(signals)
         self.grace: Optional[float] = None
         """Set by hold(): the workers are being stopped within this many seconds."""
+        self.settled = False
+        """Set by settle(): the run is over; a signal changes nothing."""
         self._claims: List[SignalClaim] = []
 
     def arm(self) -> None:
@@ -106,6 +108,14 @@ class StopSignals:
         registry = default_registry()
         self._claims = [registry.claim(c.signum, OWNER, self._on_signal, replace=True) for c in self._claims]
 
+    def settle(self) -> None:
+        """The run is over and the exit code decided: from now on a stop signal only logs (Slurm's
+        warning can land while the launcher tears down after training finished; torch's handler,
+        still in place, would raise out of the teardown and the step would fail)."""
+        self.settled = True
+        registry = default_registry()
+        self._claims = [registry.claim(c.signum, OWNER, self._on_signal, replace=True) for c in self._claims]
+
     def release(self) -> None:
         """Give the signals back (the dispositions from before arm() return)."""
         while self._claims:
@@ -113,6 +123,9 @@ class StopSignals:
 
     def _on_signal(self, number: int, _frame) -> None:
         sig = signal.Signals(number)
+        if self.settled:
+            logger.warning("received %s after the run ended: the exit code stands", sig.name)
+            return
         if self.grace is None:
             raise SignalException(f"Process {os.getpid()} got signal: {sig}", sigval=sig)
         logger.warning("received %s again: the workers are being stopped already (at most %.0f s, then SIGKILL)",
