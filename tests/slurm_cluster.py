@@ -37,6 +37,9 @@ UNINSTALLABLE = ("only root can install", "no apt-get")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
 
+RELEASE_AFTER = 5.0
+"""Seconds a requeued job stays held before wait_for_job releases it (Slurm's own hold: ~121 s)."""
+
 _UP: List[Dict[str, str]] = []
 
 
@@ -117,6 +120,7 @@ def wait_for_job(job_id: str, timeout: float = 300, while_running: Optional[Call
     requeue hold at once. `while_running(record)` is called at each poll while it runs."""
     deadline = time.monotonic() + timeout
     released = 0
+    held_since = None
     while True:
         record = job_record(job_id)
         assert record is not None, f"Slurm forgot job {job_id}"
@@ -124,8 +128,12 @@ def wait_for_job(job_id: str, timeout: float = 300, while_running: Optional[Call
         if record.state in FINAL_STATES:
             return record
         if record.state == "PENDING" and record.reason == "BeginTime" and record.restarts > released:
-            slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
-            released = record.restarts
+            held_since = held_since or time.monotonic()
+            # not at once: the last run's credential is revoked when its nodes finish with it, and a
+            # start within that second fails for good ("Job credential revoked", the job FAILED)
+            if time.monotonic() - held_since >= RELEASE_AFTER:
+                slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
+                released, held_since = record.restarts, None
         if record.state == "RUNNING" and while_running is not None:
             while_running(record)
         if time.monotonic() > deadline:
