@@ -48,10 +48,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 JOB = os.path.join(HERE, "_slurm_job.py")
+from slurm_cluster import (FINAL_STATES, _environ, _pids, cluster_env, crash_node, exclusive,  # noqa: E402
+                           nodes_back, slurm)
 STEPS, FAULT_STEP = 60, 15
 FT = dict(initial_rank_heartbeat_timeout=120, rank_heartbeat_timeout=10)  # as tests/test_slurm_nemo_run.py
 RESTARTS, RETRIES = 3, 2
-JOB_TIMEOUT = 300.0
+JOB_TIMEOUT, STALL = 300.0, 120.0  # seconds: a job's limit; running without a timeline record
 RELEASE_AFTER = 2.0  # seconds after a requeue before the bench releases its hold (see follow)
 CASES = ("kill", "node_lost", "preemption")
 LABEL = {"ours": "ours", "torchrun": "peer(torchrun)", "nvrx": "peer(nvrx-0.4.1)"}
@@ -78,10 +80,8 @@ def submit(name, case, root, peer_bin):
     import nemo_run as run
 
     plugins, env, tweaks = launcher_setup(name, root, peer_bin)
-    client = {"ours": "ours", "nvrx": "nvrx", "torchrun": "none"}[name]
-    args = ["--client", client, "--workdir", root, "--steps", str(STEPS), "--fault-step", str(FAULT_STEP)]
-    if case == "kill":
-        args += ["--fault", "kill"]
+    args = ["--client", "none" if name == "torchrun" else name, "--workdir", root, "--steps", str(STEPS),
+            "--fault-step", str(FAULT_STEP), "--fault", "kill" if case == "kill" else "none"]
     task = run.Script(path=JOB, entrypoint="python", args=args)
     executor = run.SlurmExecutor(account="nvrx", partition="debug", nodes=2, ntasks_per_node=2, time="00:15:00",
                                  tunnel=run.LocalTunnel(job_dir=os.path.join(root, "exp", "experiments")),
@@ -103,33 +103,43 @@ def submit(name, case, root, peer_bin):
 
 
 def show(job_id):
-    from slurm_cluster import slurm
-
     return dict(re.findall(r"(\w+)=(\S*)", slurm("scontrol", "show", "job", "-o", job_id, check=False)))
 
 
 def epoch(stamp):
-    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+    """Slurm's local time stamp in seconds; None for Unknown / None (an attempt not started)."""
+    try:
+        return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
+    except (TypeError, ValueError):
+        return None
 
 
-def follow(job_id, on_running):
+def follow(job_id, root, on_running):
     """Poll until the job ended for good; release each requeue hold, noting how long Slurm set
-    it for (StartTime - SubmitTime, which a requeue resets). (state, holds).
+    it for (StartTime - SubmitTime, which a requeue resets). (state, holds). A job that runs
+    but writes no timeline record for STALL seconds is given up on (a launcher without hang
+    detection can sit there until the time limit).
 
     Not in the requeue's own second: slurmd compares a job credential's creation with the
     revocation of the requeued attempt's in whole seconds, and a start within that second is
     refused ("Job credential revoked", the job then ends FAILED)."""
-    from slurm_cluster import FINAL_STATES, slurm
-
     deadline, released, holds = time.monotonic() + JOB_TIMEOUT, 0, []
+    timeline, seen, alive = os.path.join(root, "timeline.jsonl"), None, time.monotonic()
     while True:
         fields = show(job_id)
         state, restarts = fields.get("JobState", ""), int(fields.get("Restarts", 0))
         if state in FINAL_STATES:
             return state, holds
+        now_seen = (state, restarts, os.path.getsize(timeline) if os.path.exists(timeline) else 0)
+        if now_seen != seen:
+            seen, alive = now_seen, time.monotonic()
+        if state == "RUNNING" and time.monotonic() - alive > STALL:
+            return f"NO RECORD IN {STALL:.0f} s(bench)", holds  # run_job cancels it
         if (state == "PENDING" and fields.get("Reason") == "BeginTime" and restarts > released
-                and time.time() >= epoch(fields["SubmitTime"]) + RELEASE_AFTER):
-            holds.append(epoch(fields["StartTime"]) - epoch(fields["SubmitTime"]))
+                and time.time() >= (epoch(fields.get("SubmitTime")) or 0) + RELEASE_AFTER):
+            begin, submitted = epoch(fields.get("StartTime")), epoch(fields.get("SubmitTime"))
+            if begin and submitted:
+                holds.append(begin - submitted)
             slurm("scontrol", "update", f"jobid={job_id}", "StartTime=now")
             released = restarts
         if state == "RUNNING":
@@ -150,8 +160,6 @@ def read_timeline(root):
 
 def trigger(case, root, job_id, fired):
     """The outside fault of node_lost / preemption, once attempt 0 is past FAULT_STEP."""
-    from slurm_cluster import crash_node, slurm
-
     def on_running(fields):
         if fired or not any(r["ev"] == "step" and r.get("attempt") == 0 and r["step"] >= FAULT_STEP
                             for r in read_timeline(root)):
@@ -168,8 +176,6 @@ def trigger(case, root, job_id, fired):
 
 def cancel(job_id):
     """scancel a job that has not ended, and wait (60 s at most) until Slurm says it has."""
-    from slurm_cluster import FINAL_STATES, slurm
-
     for _ in range(120):
         if show(job_id).get("JobState", "") in FINAL_STATES | {""}:
             return
@@ -179,8 +185,6 @@ def cancel(job_id):
 
 def kill_leftovers(job_id):
     """SIGKILL any process that still carries the job's id (Slurm's proctrack should leave none)."""
-    from slurm_cluster import _environ, _pids
-
     for pid in _pids():
         if pid != os.getpid() and _environ(pid).get("SLURM_JOB_ID") == job_id:
             with contextlib.suppress(ProcessLookupError):
@@ -189,39 +193,36 @@ def kill_leftovers(job_id):
 
 def sacct_wall(job_id):
     """First attempt's start to the last one's end (1 s resolution), once slurmdbd has it."""
-    from slurm_cluster import slurm
-
     for _ in range(40):
-        rows = [line.split("|") for line in slurm("sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P",
-                                                  "-o", "Start,End", check=False).split()]
-        ends = [row[1] for row in rows if len(row) == 2]
-        if ends and all(re.match(r"\d{4}-", e) for e in ends):
-            return max(map(epoch, ends)) - min(epoch(row[0]) for row in rows)
+        rows = [[epoch(t) for t in line.split("|")] for line in slurm(
+            "sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P", "-o", "Start,End", check=False).split()]
+        rows = [row for row in rows if len(row) == 2 and row[0]]  # attempts that started
+        if rows and all(end for _, end in rows):
+            return max(end for _, end in rows) - min(start for start, _ in rows)
         time.sleep(0.5)
     return None
 
 
 def run_job(name, case, peer_bin, keep):
-    """One job under `name`, start to end, holding the cluster; what it measured."""
-    from slurm_cluster import exclusive, nodes_back
-
+    """One job under `name`, start to end, holding the cluster; what it measured. Its directory
+    (timeline, NeMo-Run's scripts and logs) is kept when it did not recover or finish."""
     root = tempfile.mkdtemp(prefix=f"nvrx-bench-slurm-{name}-{case}-")
     fired, job_id, job_dir, state, holds = [], None, root, "NOT SUBMITTED", []
-    try:
-        with exclusive():
-            try:
-                job_id, job_dir = submit(name, case, root, peer_bin)
-                state, holds = follow(job_id, trigger(case, root, job_id, fired) if case != "kill" else lambda _: None)
-            finally:
-                if job_id:
-                    cancel(job_id)  # a timed-out or interrupted job; nothing for one that ended
-                    kill_leftovers(job_id)
-                if case == "node_lost" and fired:
-                    nodes_back()
-        return measure(name, root, job_id, job_dir, state, holds, fired)
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
+    with exclusive():
+        try:
+            job_id, job_dir = submit(name, case, root, peer_bin)
+            on_running = trigger(case, root, job_id, fired) if case != "kill" else lambda _: None
+            state, holds = follow(job_id, root, on_running)
+        finally:
+            if job_id:
+                cancel(job_id)  # a timed-out or interrupted job; nothing for one that ended
+                kill_leftovers(job_id)
+            if case == "node_lost" and fired:
+                nodes_back()
+    result = measure(name, root, job_id, job_dir, state, holds, fired)
+    if not keep and result["finished"] and result["recovery"] is not None:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
 
 
 def measure(name, root, job_id, job_dir, state, holds, fired):
@@ -242,8 +243,8 @@ def measure(name, root, job_id, job_dir, state, holds, fired):
     out = {"recovery": (min(after) - t_fault) if after and t_fault else None, "state": state, "holds": holds,
            "finished": finished, "ettr": STEPS * statistics.median(durations) / wall if finished and durations
            and wall else None, "attempts": None, "exits": [], "report": None, "incidents": None, "longest": None,
-           "job_id": job_id,
-           "root": root, "requeues": int(show(job_id).get("Restarts", 0)) if job_id else None,
+           "job_id": job_id, "root": root, "restarted": len(new_pids),
+           "requeues": int(show(job_id).get("Restarts", 0)) if job_id else None,
            "preempted": sorted(r["step"] for r in records if r["ev"] == "preempted")}
     if os.path.exists(os.path.join(job_dir, "job_job_results")):
         with open(os.path.join(job_dir, "job_job_results")) as f:
@@ -292,7 +293,7 @@ def failed_attempt(r):
     return "unknown (no results file, no exit recorded)"
 
 
-def print_case(case, results, names, keep):
+def print_case(case, results, names):
     for name in names:
         rs = results[name]
         print(f"  {name:8s} {case:10s} runs: [{', '.join(fmt(r['recovery'], 's') for r in rs)}] states "
@@ -300,8 +301,9 @@ def print_case(case, results, names, keep):
               f"{[r['finished'] for r in rs]} ETTR [{', '.join(fmt(r['ettr'], '%') for r in rs)}]", flush=True)
         for r in rs:
             if not r["finished"] or r["recovery"] is None:
-                print(f"    job {r['job_id']} did not recover or finish (dir {r['root']}"
-                      f"{'' if keep else ', removed: --keep keeps it'})", flush=True)
+                print(f"    job {r['job_id']} did not recover or finish ({r['state']}, {r['requeues']} requeues, "
+                      f"{r['restarted']} processes started after the fault reached training): kept {r['root']}",
+                      flush=True)
     notes = {}
     for name in names if case == "kill" else []:  # a fault inside the job that still needed a requeue
         requeued = sum(1 for r in results[name] if r["requeues"])
@@ -351,14 +353,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one run of each (a smoke test)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
-    parser.add_argument("--keep", action="store_true", help="keep each job's directory (timeline, logs)")
+    parser.add_argument("--keep", action="store_true", help="keep every job's directory (timeline, logs), not "
+                        "only those of jobs that did not recover or finish")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     # a SIGTERM (a CI timeout, kill) unwinds like Ctrl-C: each job's finally cancels it, kills
     # what is left of it and brings a crashed node back
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    from slurm_cluster import cluster_env
-
     os.environ.update(cluster_env())
     peer_bin = os.path.dirname(os.path.abspath(args.peer_python)) if args.peer_python else None
     names = ["ours", "torchrun"]
@@ -373,7 +374,7 @@ def main() -> int:
     for case in args.cases.split(","):
         results = {name: [run_job(name, case, peer_bin, args.keep) for _ in range(runs)] for name in names}
         holds += [h for rs in results.values() for r in rs for h in r["holds"]]
-        print_case(case, results, names, args.keep)
+        print_case(case, results, names)
     if holds:
         print(f"requeue hold: Slurm held each requeued job {statistics.median(holds):.0f} s (median of {len(holds)}, "
               f"StartTime - SubmitTime); the bench released each one {RELEASE_AFTER:.0f} s after its requeue "
