@@ -19,7 +19,6 @@ Hydra-style arguments NeMo-Run's plugins append to a Script (`ft.enable_ft_packa
 are ignored: the job takes only its own flags.
 """
 import argparse
-import json
 import os
 import signal
 import sys
@@ -27,6 +26,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from _job_parts import heartbeat_client, model_from, recorder
 
 p = argparse.ArgumentParser()
 p.add_argument("--client", choices=("ours", "nvrx", "none"), default="none")
@@ -43,14 +44,7 @@ marker = os.path.join(args.workdir, "fault.marker")
 ckpt = os.path.join(args.workdir, "ckpt.pt")
 attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
-
-def record(ev, **fields):
-    line = json.dumps({"t": time.time(), "ev": ev, "pid": os.getpid(), **fields}) + "\n"
-    fd = os.open(timeline, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(fd, line.encode())
-    os.fsync(fd)
-    os.close(fd)
-
+record = recorder(timeline)
 
 stop_requested = []
 
@@ -61,26 +55,11 @@ def on_sigterm(signum, frame):
         stop_requested.append(time.time())
 
 
-client = None
-if args.client == "ours":
-    from nvrx_core.ft.client import RankMonitorClient
-    client = RankMonitorClient()
-elif args.client == "nvrx":
-    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-    client = RankMonitorClient()
-if client is not None:
-    client.init_workload_monitoring()
+client = heartbeat_client(args.client)
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.Linear(256, 256)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-start = 0
-if os.path.exists(ckpt):
-    state = torch.load(ckpt, weights_only=True)
-    model.load_state_dict(state["model"])
-    start = state["step"]
+model, opt, start = model_from(ckpt)
 
 
 def save(step):

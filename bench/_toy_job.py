@@ -6,12 +6,13 @@ lines {"t", "ev", ...} to --timeline: the benchmark reads fault time and step ti
 A fault fires once per job: the faulty rank creates --fault-marker first.
 """
 import argparse
-import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
+
+from _job_parts import heartbeat_client, model_from, recorder
 
 p = argparse.ArgumentParser()
 p.add_argument("--client", choices=("ours", "nvrx", "none"), default="none")
@@ -27,35 +28,12 @@ timeline = os.path.join(args.workdir, "timeline.jsonl")
 marker = os.path.join(args.workdir, "fault.marker")
 ckpt = os.path.join(args.workdir, "ckpt.pt")
 
-
-def record(ev, **fields):
-    line = json.dumps({"t": time.time(), "ev": ev, "pid": os.getpid(), **fields}) + "\n"
-    fd = os.open(timeline, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.write(fd, line.encode())
-    os.fsync(fd)
-    os.close(fd)
-
-
-client = None
-if args.client == "ours":
-    from nvrx_core.ft.client import RankMonitorClient
-    client = RankMonitorClient()
-elif args.client == "nvrx":
-    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
-    client = RankMonitorClient()
-if client is not None:
-    client.init_workload_monitoring()
+record = recorder(timeline)
+client = heartbeat_client(args.client)
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.Linear(256, 256)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-start = 0
-if os.path.exists(ckpt):
-    state = torch.load(ckpt, weights_only=True)
-    model.load_state_dict(state["model"])
-    start = state["step"]
+model, opt, start = model_from(ckpt)
 record("started", rank=rank, step=start)
 for step in range(start + 1, args.steps + 1):
     t0 = time.monotonic()

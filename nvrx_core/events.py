@@ -2,7 +2,10 @@
 
 An incident report needs one timeline across the launcher, the node monitor and every
 rank, so they all append to the same file (named by NVRX_EVENTS_FILE, which ft_launcher
-sets for its workers). Each record carries wall time, rank, node and restart cycle.
+sets for its workers). Each record carries wall time, rank, node and restart cycle, and the
+launcher process it belongs to (NVRX_LAUNCHER_ID, which each ft_launcher sets afresh for its
+monitor and workers): every attempt of a requeued Slurm job appends to the same file, each
+counting restart cycles from 0, and the nodes of a one-host test cluster share a host name.
 
 Appends use O_APPEND and a single write() per line, so lines from concurrent processes do
 not interleave. Readers skip lines that do not parse (a writer killed mid-line).
@@ -19,9 +22,11 @@ import logging
 import os
 import socket
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 EVENTS_FILE_ENV = "NVRX_EVENTS_FILE"
+LAUNCHER_ID_ENV = "NVRX_LAUNCHER_ID"
 EVENTS_FORMAT = 1
 """Each record's "v": a reader meeting a newer one says so and reads what it understands."""
 
@@ -55,6 +60,11 @@ SPARE_WAITING = "spare_waiting"  # a node found the round full and waits as a ho
 SPARE_ACTIVATED = "spare_activated"  # a spare took the slot (group rank) of a lost node
 
 
+def new_launcher_id() -> str:
+    """A name for one launcher process, unique across hosts and Slurm attempts (pids repeat)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
 def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name)
     try:
@@ -74,6 +84,7 @@ class EventLog:
         node: Optional[str] = None,
         cycle: Optional[int] = None,
         source: Optional[str] = None,
+        launcher: Optional[str] = None,
         clock: Callable[[], float] = time.time,
     ):
         self.path = path
@@ -81,6 +92,7 @@ class EventLog:
         self.node = node if node is not None else socket.gethostname()
         self.cycle = cycle
         self.source = source
+        self.launcher = launcher if launcher is not None else os.environ.get(LAUNCHER_ID_ENV)
         self._clock = clock
         self._failing = False  # the last write failed: warned already, events go to the log
         if path:
@@ -110,6 +122,8 @@ class EventLog:
         }
         if self.source:
             record["source"] = self.source
+        if self.launcher:
+            record["launcher"] = self.launcher
         record.update(fields)
         try:
             line = json.dumps(record, default=str) + "\n"

@@ -1,5 +1,6 @@
 """Running ft_launcher as a real process in tests, and reading what it left behind."""
 
+import json
 import os
 import signal
 import subprocess
@@ -68,3 +69,12 @@ def _dump_workers(launcher_pid: int) -> None:
 
 def kinds(events: List[dict], kind: str) -> List[dict]:
     return [e for e in events if e["kind"] == kind]
+
+
+def preempt_progress(out: str, rank: int) -> Optional[dict]:
+    """What tests/scripts/preempt_job.py's rank last wrote of its progress (step, pid), or None."""
+    try:
+        with open(os.path.join(out, f"progress.rank{rank}")) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None

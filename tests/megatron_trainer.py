@@ -10,6 +10,8 @@ import torch
 from launcher_util import REPO, kinds, run_launcher
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import read_events
+from nvrx_core.report.goodput import goodput
+from nvrx_core.report.incidents import find_incidents
 
 TRAINER = os.path.join(REPO, "examples", "megatron_style", "pretrain_gpt.py")
 ITERS = 200
@@ -77,6 +79,10 @@ def check_recovered(result, events, results, flag, weights, kind):
     assert flag.exists()
     last_start = max(e["time"] for e in kinds(events, "workers_started"))
     assert os.stat(flag).st_mtime >= last_start - 1.0  # written by the finishing cycle
+    resumed = [(e["cycle"], e["rank"]) for e in kinds(events, "training_resumed")]
+    assert resumed == [(0, 0), (1, 0)], resumed  # rank 0, as each cycle's first step began
+    report = goodput(events, find_incidents(events))  # `nvrx report`: every step timed, none counted twice
+    assert report.steps_kept == ITERS, report
     detected = kinds(events, "fault_detected")
     if kind == "rank_killed":  # the launcher saw the death; no timeout had to fire
         assert not detected

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launcher_util import SCRIPTS, kinds
+from launcher_util import SCRIPTS, kinds, preempt_progress
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report import attribution
@@ -23,14 +23,6 @@ from nvrx_core.report.incidents import find_incidents
 from waiting import wait_for
 
 JOB = os.path.join(SCRIPTS, "preempt_job.py")
-
-
-def _progress(out, rank):
-    try:
-        with open(os.path.join(out, f"progress.rank{rank}")) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 @pytest.mark.timeout(240)
@@ -45,9 +37,9 @@ def test_sigterm_to_one_worker_stops_the_job_with_exit_code_preempted(tmp_path, 
          "--events-file", events_file, *start, JOB, "--out", out],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
-        wait_for(lambda: all((_progress(out, r) or {}).get("step", -1) >= 4 for r in (0, 1)), timeout=150,
+        wait_for(lambda: all((preempt_progress(out, r) or {}).get("step", -1) >= 4 for r in (0, 1)), timeout=150,
                  what="both workers training")
-        os.kill(_progress(out, 1)["pid"], signal.SIGTERM)  # only rank 1 is told, as when one node drains first
+        os.kill(preempt_progress(out, 1)["pid"], signal.SIGTERM)  # only rank 1 is told, as when one node drains first
         output, _ = launcher.communicate(timeout=150)
     finally:
         try:

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 import warm_python
-from launcher_util import SCRIPTS, kill_tree, kinds
+from launcher_util import SCRIPTS, kill_tree, kinds, preempt_progress
 from nvrx_core.demo.nodes import free_port
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
@@ -32,14 +32,6 @@ from waiting import wait_for
 
 JOB = os.path.join(SCRIPTS, "preempt_job.py")
 pytestmark = pytest.mark.timeout(300)
-
-
-def _progress(out, rank):
-    try:
-        with open(os.path.join(out, f"progress.rank{rank}")) as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _cmdline(pid):
@@ -74,27 +66,37 @@ def run_job(tmp_path, start_args, job_args, signal_to, env=None):
         stdout=warm_python.PIPE, stderr=warm_python.STDOUT, text=True, env=full_env, start_new_session=True,
         preload=warm_python.LAUNCHER)
     try:
-        wait_for(lambda: all((_progress(out, r) or {}).get("step", -1) >= 4 for r in (0, 1)), timeout=150,
+        wait_for(lambda: all((preempt_progress(out, r) or {}).get("step", -1) >= 4 for r in (0, 1)), timeout=150,
                  what="both workers training")
-        workers = {_progress(out, r)["pid"] for r in (0, 1)}
+        workers = {preempt_progress(out, r)["pid"] for r in (0, 1)}
         wait_for(lambda: workers <= descendants(launcher.pid), timeout=30, what="both workers in the tree")
         tree = [launcher.pid, *sorted(descendants(launcher.pid))]
-        started = {pid: process_start_time(pid) for pid in tree}
         commands = {pid: _cmdline(pid) for pid in tree}
-        for pid in tree if signal_to == "step" else tree[:1]:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        output, _ = launcher.communicate(timeout=180)
-        # the monitor and the fork server end with the launcher; the rest was stopped before
-        wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+        output = _sigterm_and_reap(launcher, tree, tree if signal_to == "step" else tree[:1], timeout=180)
     finally:
-        kill_tree(launcher.pid)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
+        _kill_launcher(launcher)
     return launcher.returncode, output, read_events(events_file), commands
+
+
+def _sigterm_and_reap(launcher, tree, targets, timeout):
+    """SIGTERM `targets` (in order), wait for the launcher's output and exit, then until every
+    process of `tree` is gone (the monitor and the fork server end with the launcher)."""
+    started = {pid: process_start_time(pid) for pid in tree}
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    output, _ = launcher.communicate(timeout=timeout)
+    wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+    return output
+
+
+def _kill_launcher(launcher):
+    kill_tree(launcher.pid)
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.communicate()
 
 
 def _reports(out):
@@ -179,16 +181,9 @@ def test_a_launcher_without_workers_yet_ends_preempted_on_a_stop_signal(tmp_path
     try:
         wait_for(lambda: _catches(launcher.pid, signal.SIGTERM), timeout=120, what="the launcher handling SIGTERM")
         tree = [launcher.pid, *sorted(descendants(launcher.pid))]
-        started = {pid: process_start_time(pid) for pid in tree}
-        for pid in tree:
-            os.kill(pid, signal.SIGTERM)
-        output, _ = launcher.communicate(timeout=120)
-        wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+        output = _sigterm_and_reap(launcher, tree, tree, timeout=120)
     finally:
-        kill_tree(launcher.pid)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
+        _kill_launcher(launcher)
     assert launcher.returncode == 0, output[-4000:]
     events = read_events(events_file)
     assert not kinds(events, "workers_started")

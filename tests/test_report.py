@@ -222,6 +222,35 @@ def test_incident_timings_and_goodput_add_up():
     assert g.ettr == pytest.approx(10.0 / 17.4)
 
 
+def test_every_attempt_of_a_requeued_job_in_one_file_is_told_apart():
+    """Two attempts of a 2-node Slurm job appending to one file; all four launchers on one host
+    name (a one-host test cluster), each counting cycles from 0. Attempt 1 loses a node after
+    step 8, Slurm requeues, attempt 2 resumes from step 5's checkpoint and finishes."""
+    def node(launcher, start, *records):
+        return [e(start + 0.5, "launcher_started", process_started=start, node="n", launcher=launcher),
+                *({**r, "node": "n", "launcher": launcher} for r in records)]
+
+    events = node("a1", 0.0, e(1, "workers_started", 0), e(2, "training_resumed", 0, rank=0, step=0),
+                  *(e(2 + i, "step_done", 0, rank=0, step=i) for i in range(1, 9)),
+                  e(10.5, "workers_failed", 0, exit_codes={"0": 1}), e(11, "launcher_exit", exit_code=1))
+    events += node("b1", 0.2, e(1, "workers_started", 0), e(10.2, "step_done", 0, rank=2, step=8))  # then lost
+    events += node("a2", 20.0, e(21, "workers_started", 0), e(22, "training_resumed", 0, rank=0, step=5),
+                   *(e(17 + i, "step_done", 0, rank=0, step=i) for i in range(6, 11)),
+                   e(27.2, "training_finished", 0), e(28, "launcher_exit", exit_code=0))
+    events += node("b2", 20.1, e(21, "workers_started", 0), e(28, "launcher_exit", exit_code=0))
+    events = sorted(events, key=lambda x: x["time"])
+    [incident] = find_incidents(events)
+    assert incident.key[1:] == ("a1", 0) and incident.last_step == 8
+    g = goodput(events, [incident])
+    assert g.wall_s == pytest.approx(28.0) and (g.steps_kept, g.steps_redone) == (10, 3)  # 6-8 ran twice
+    assert g.seconds["requeue"] == pytest.approx(20.0 - 11.0)
+    assert g.seconds["startup"] == pytest.approx(2.0 + 2.0)  # each attempt's launch to its training
+    assert g.seconds["productive"] == pytest.approx(10.0) and g.ettr == pytest.approx(10.0 / 28.0)
+    assert g.seconds["redone"] == pytest.approx(3.0 + 0.5)  # and the part-step before the failure
+    assert g.seconds["shutdown"] == pytest.approx(1.0)
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
+
+
 def test_a_damaged_events_file_is_reported_line_by_line_and_the_rest_analysed(tmp_path, capsys):
     good = crash_cycle({1: -9})
     path = tmp_path / "events.jsonl"

@@ -30,6 +30,9 @@ def test_each_fault_kind_gets_its_culprit_and_waiting_peers_are_not_blamed(tmp_p
                            "--ft-initial-rank-heartbeat-timeout", "60", *job], timeout=360)
     assert result.returncode == 0, result.stdout[-4000:]
     report = build_report(str(events_file))
+    launchers = {e.get("launcher") for e in report.loaded.events}  # launcher, monitor, ranks: one tree
+    assert len(launchers) == 1 and None not in launchers, launchers
+    assert {e["source"] for e in report.loaded.events if e.get("source")} >= {"launcher", "monitor"}
     got = [(i.cycle, i.verdict.kind, i.verdict.culprits) for i in report.incidents]
     assert got == [(c, kind, culprits) for c, (_, _, kind, culprits, _) in enumerate(FAULTS)], report.text()
     for incident, (*_, waiting) in zip(report.incidents, FAULTS):

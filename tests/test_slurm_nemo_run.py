@@ -19,8 +19,10 @@ run = nemo_run
 
 from launcher_util import REPO, kinds  # noqa: E402
 from nvrx_core.events import read_events  # noqa: E402
+from nvrx_core.report.build import build_report  # noqa: E402
 from nvrx_nemo_run import FaultTolerancePlugin, PreemptionPlugin  # noqa: E402
-from slurm_cluster import cluster_env, crash_node, exclusive, nodes_back, reference_weights, wait_for_job  # noqa: E402
+from slurm_cluster import (cluster_env, crash_node, exclusive, nodes_back, reference_weights, slurm,  # noqa: E402
+                           wait_for_job)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,7 +60,7 @@ def _nemo_run_can_submit(tmp_path_factory, env):
 class Job:
     """One submitted NeMo-Run Slurm job and what it left behind."""
 
-    def __init__(self, root, task, plugins, retries=None, time_limit="00:10:00"):
+    def __init__(self, root, task, plugins, time_limit="00:10:00"):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),  # our ft_launcher
@@ -68,8 +70,6 @@ class Job:
                                      env_vars=env, packager=run.Packager())
         with run.Experiment("nvrx", executor=executor, base_dir=str(root / "exp"), log_level="WARN") as exp:
             exp.add(task, name="job", plugins=plugins)
-            if retries is not None:  # the plugin set Bridge's num_job_retries_on_failure; a case may lower it
-                exp.jobs[0].executor.retries = retries
             exp.run(detach=True)
         self.job = exp.jobs[0]
         self.job_id = self.job.handle.rsplit("/", 1)[-1]
@@ -188,8 +188,6 @@ def test_a_crashed_node_requeues_the_job_which_finishes_on_the_healthy_nodes(tmp
 
 
 def _expand(nodelist):
-    from slurm_cluster import slurm
-
     return slurm("scontrol", "show", "hostnames", nodelist).split()
 
 
@@ -221,3 +219,9 @@ def test_preemption_by_the_time_limit_signal_requeues_without_a_failed_attempt(t
     # every rank of an attempt stopped at the same step (four records a step, one step an attempt)
     steps = [e["step"] for e in kinds(events, "preemption_agreed")]
     assert sorted(steps.count(step) for step in set(steps)) == [4] * job.record.restarts, steps
+    # `nvrx report` on the one events file of every attempt: each attempt's launchers told apart,
+    # every step timed once (each attempt resumed where the last one saved), no failure
+    report = build_report(str(tmp_path / "events.jsonl"))
+    assert len(kinds(events, "launcher_started")) == len({e["launcher"] for e in events}) == 2 * len(job.attempts())
+    assert report.incidents == [] and report.goodput.steps_kept == ITERS, report.text()
+    assert report.goodput.steps_redone == 0 and report.goodput.seconds["requeue"] > 0, report.text()

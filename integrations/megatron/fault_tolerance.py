@@ -93,6 +93,8 @@ def on_training_step_start(global_state: Any) -> None:
         return
     state = _state(global_state)
     _close_setup(client, state)
+    if state.seen_tr_iters_cnt == 0:
+        client.report_training_resumed(global_state.train_state.step)
     if state.seen_tr_iters_cnt >= NUM_WARMUP_ITERS:
         client.start_section(STEP)
     state.curr_eval_iter_idx = 0                   # training resumed: the evaluation is over

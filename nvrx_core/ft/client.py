@@ -242,6 +242,14 @@ class RankMonitorClient:
         finally:
             self.end_section(name)
 
+    def report_training_resumed(self, iteration: int) -> None:
+        """Call as this process's first training step begins, with the step training resumes
+        from (0 on a fresh start). On rank 0, a training_resumed event: `nvrx report` times the
+        first step of each cycle and attempt from it and tells which steps were run again."""
+        events = self._events
+        if self._link is not None and events is not None and events.path and events.rank == 0:
+            events.emit(ev.TRAINING_RESUMED, step=int(iteration))
+
     def report_progress(self, iteration: int) -> None:
         """Tell the launcher how far training got (it gives up after cycles with no progress);
         on rank 0, also a step_done event: `nvrx report` times the steps from them (ETTR)."""

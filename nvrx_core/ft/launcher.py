@@ -348,6 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if finished.is_finished():
         logger.info("%s exists: the job already finished; exiting 0", finished.finished_flag_path())
         return ExitCode.SUCCESS
+    os.environ[ev.LAUNCHER_ID_ENV] = ev.new_launcher_id()  # for this process's monitor and workers too
     events = ev.EventLog(args.events_file, source="launcher")
     try:
         ft_cfg = load_ft_config(args)

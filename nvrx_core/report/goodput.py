@@ -1,10 +1,12 @@
 """Effective training time ratio (ETTR, goodput): the share of the wall time that trained.
 
-Wall time runs from the launcher process's start to its exit. Each step execution is timed
-from rank 0's step_done records (the first step of a cycle from the cycle's
-training_resumed). An execution counts as productive unless a later cycle resumed from an
+Wall time runs from the first launcher process's start to the last one's exit: one file may
+hold every attempt of a requeued job. Each step execution is timed from rank 0's step_done
+records (the first step of a cycle from the cycle's training_resumed). An execution counts as
+productive unless a cycle that began later (of this attempt or a later one) resumed from an
 earlier step and ran it again; the rest of the wall time is assigned to where it went:
-- startup: launcher start to the first cycle's training start;
+- startup: each attempt's launcher start to its first training start;
+- requeue: between attempts, while no launcher of the job ran (the scheduler's requeue);
 - redone: executions run again later, and the part-step in progress when a fault began;
 - detection: fault to detection; restart: detection to the next cycle's training start;
 - checkpoint: the excess over the median step of steps that include a checkpoint commit;
@@ -17,9 +19,10 @@ import statistics
 from typing import Dict, List, Optional, Tuple
 
 from nvrx_core import events as ev
-from nvrx_core.report.incidents import CycleKey, Incident, by_cycle
+from nvrx_core.report.incidents import CycleKey, Incident, by_cycle, launcher_of
 
-CATEGORIES = ("productive", "startup", "detection", "restart", "redone", "checkpoint", "shutdown", "other")
+CATEGORIES = ("productive", "startup", "detection", "restart", "redone", "checkpoint", "requeue", "shutdown",
+              "other")
 
 
 @dataclasses.dataclass
@@ -48,6 +51,24 @@ def run_span(events: List[dict]) -> Tuple[float, float]:
     start = min(starts) if starts else events[0]["time"]
     exits = [e["time"] for e in events if e["kind"] == ev.LAUNCHER_EXIT]
     return start, (max(exits) if exits else events[-1]["time"])
+
+
+def attempts(events: List[dict]) -> List[Tuple[float, float]]:
+    """(start, end) of each attempt of the job: the launchers' process spans, overlapping ones
+    (the nodes of one attempt) merged, in time order."""
+    spans: Dict[Optional[str], List[float]] = {}
+    for e in events:
+        span = spans.setdefault(launcher_of(e), [e["time"], e["time"]])
+        started = e.get("process_started") if e["kind"] == ev.LAUNCHER_STARTED else None
+        span[0] = min(span[0], started if isinstance(started, (int, float)) else e["time"])
+        span[1] = max(span[1], e["time"])
+    merged: List[List[float]] = []
+    for start, end in sorted(spans.values()):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def step_executions(events: List[dict]) -> List[Tuple[CycleKey, int, float, float]]:
@@ -82,9 +103,10 @@ def _resumed_at(events: List[dict]) -> Dict[CycleKey, Tuple[float, int]]:
     return out
 
 
-def _redone_later(key: CycleKey, step: int, resumed: Dict[CycleKey, Tuple[float, int]]) -> bool:
-    """A later cycle of the same launcher resumed from before `step`."""
-    return any(k[:2] == key[:2] and k[2] > key[2] and s < step for k, (_, s) in resumed.items())
+def _redone_later(step: int, end: float, resumed: Dict[CycleKey, Tuple[float, int]]) -> bool:
+    """A cycle that resumed after this execution ended resumed from before `step`: a later
+    cycle of the same launcher, or of a later attempt of the job (a Slurm requeue)."""
+    return any(t > end and s < step for t, s in resumed.values())
 
 
 def goodput(events: List[dict], incidents: List[Incident]) -> Optional[Goodput]:
@@ -97,7 +119,7 @@ def goodput(events: List[dict], incidents: List[Incident]) -> Optional[Goodput]:
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     marked = []
     for key, step, t0, t1 in executions:
-        marked.append((key, step, t0, t1, not _redone_later(key, step, resumed)))
+        marked.append((key, step, t0, t1, not _redone_later(step, t1, resumed)))
     durations = [t1 - t0 for *_, t0, t1, kept in marked if kept]
     median = statistics.median(durations) if durations else None
     commits = [e["time"] for e in events if e["kind"] == ev.CHECKPOINT_COMMITTED and _rank0(e)]
@@ -110,8 +132,13 @@ def goodput(events: List[dict], incidents: List[Incident]) -> Optional[Goodput]:
             stall = max(0.0, (t1 - t0) - median)
         seconds["checkpoint"] += stall
         seconds["productive"] += (t1 - t0) - stall
-    if resumed:
-        seconds["startup"] = max(0.0, min(t for t, _ in resumed.values()) - start)
+    spans = attempts(events)
+    for (_, end_before), (begin, _) in zip(spans, spans[1:]):
+        seconds["requeue"] += max(0.0, begin - end_before)
+    for begin, end_of in spans:
+        trained = [t for t, _ in resumed.values() if begin <= t <= end_of]
+        if trained:
+            seconds["startup"] += min(trained) - begin
     for incident in incidents:
         _add_incident(seconds, incident, marked, resumed)
     if marked and any(e["kind"] == ev.TRAINING_FINISHED for e in events):
@@ -133,7 +160,7 @@ def _add_incident(seconds: Dict[str, float], incident: Incident, marked: list, r
     if done_before and anchor == fault:
         seconds["redone"] += max(0.0, fault - max(done_before))  # the part-step in progress
     seconds["detection"] += max(0.0, detected - anchor)
-    source, node, cycle = incident.key
-    restart = resumed.get((source, node, cycle + 1))
+    source, launcher, cycle = incident.key
+    restart = resumed.get((source, launcher, cycle + 1))
     if restart is not None:
         seconds["restart"] += max(0.0, restart[0] - detected)

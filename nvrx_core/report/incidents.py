@@ -38,7 +38,7 @@ class Incident:
     resumed_from: Optional[int]
     injected: Optional[dict] = None
     key: Optional[tuple] = None
-    """(events file, node, cycle): which launcher's cycle this was."""
+    """(events file, launcher, cycle): which launcher process's cycle this was."""
 
     @property
     def steps_redone(self) -> Optional[int]:
@@ -75,12 +75,18 @@ class Incident:
 CycleKey = Tuple[Optional[int], Optional[str], int]
 
 
+def launcher_of(e: dict) -> Optional[str]:
+    """Which launcher process wrote `e` (or, for files written before records named it, its node):
+    every attempt of a requeued job counts its cycles from 0 again."""
+    return e.get("launcher") or e.get("node")
+
+
 def by_cycle(events: List[dict]) -> Dict[CycleKey, List[dict]]:
-    """Events per restart cycle of one launcher: keyed by (events file, node, cycle)."""
+    """Events per restart cycle of one launcher process: keyed by (events file, launcher, cycle)."""
     out: Dict[CycleKey, List[dict]] = {}
     for e in events:
         if isinstance(e.get("cycle"), int):
-            out.setdefault((e.get(SOURCE), e.get("node"), e["cycle"]), []).append(e)
+            out.setdefault((e.get(SOURCE), launcher_of(e), e["cycle"]), []).append(e)
     return out
 
 
@@ -107,10 +113,10 @@ def find_incidents(events: List[dict]) -> List[Incident]:
     uncycled = [e for e in events if not isinstance(e.get("cycle"), int)]
     incidents = []
     for key in sorted(cycles, key=lambda k: cycles[k][0]["time"]):
-        source, node, cycle = key
-        own, after = cycles[key], cycles.get((source, node, cycle + 1), [])
+        source, launcher, cycle = key
+        own, after = cycles[key], cycles.get((source, launcher, cycle + 1), [])
         exit_event = next((e for e in reversed(events) if e["kind"] == ev.LAUNCHER_EXIT
-                           and e.get(SOURCE) == source and e.get("node") == node), None)
+                           and e.get(SOURCE) == source and launcher_of(e) == launcher), None)
         start, end = own[0]["time"], (after[0]["time"] if after else float("inf"))
         window = sorted(own + [e for e in uncycled if start <= e["time"] < end], key=lambda e: e["time"])
         if _failed(window, not after, exit_event):
