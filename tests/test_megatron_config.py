@@ -1,11 +1,13 @@
 """nvrx_megatron's configs: field-by-field parity with Megatron-Bridge, checks, conversions.
 
 The parity table below is transcribed by hand from Megatron-Bridge,
-NVIDIA-NeMo/Megatron-Bridge at commit 4feb11f80e19fda2937f983688218300436e2177,
-src/megatron/bridge/training/config.py (classes FaultToleranceConfig,
-NVRxStragglerDetectionConfig, InProcessRestartConfig, RerunStateMachineConfig). All four are
-plain `@dataclass` there (not kw_only), in that commit and in every other stored version of
-the file. It is data, not code: the test compares our dataclasses against it.
+NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/training/config.py (classes
+FaultToleranceConfig, NVRxStragglerDetectionConfig, InProcessRestartConfig at commit
+4feb11f80e19fda2937f983688218300436e2177, unchanged at 003e863ad19f6db7958d976c961a0d7d9abb1314;
+RerunStateMachineConfig at 003e863, where it became `@dataclass(kw_only=True)` deriving from
+Megatron-LM's megatron/training/config/resilience_config.py: the same six fields, order and
+defaults as the plain dataclass of 4feb11f). It is data, not code: the test compares our
+dataclasses against it.
 """
 
 import dataclasses
@@ -66,7 +68,7 @@ BRIDGE = {
         ("max_rank_faults", None, None),
         ("monitor_process_logdir", None, None),
     ]),
-    RerunStateMachineConfig: (False, [
+    RerunStateMachineConfig: (True, [
         ("error_injection_rate", 0, None),
         ("error_injection_type", "transient_error", ("correct_result", "transient_error", "persistent_error")),
         ("rerun_mode", "disabled", ("disabled", "validate_results", "report_determinism_stats")),
@@ -99,7 +101,10 @@ def test_fields_match_bridge(cls):
     assert hasattr(cls, "finalize") is (cls in BRIDGE_FINALIZE)
 
 
-@pytest.mark.parametrize("cls", list(BRIDGE), ids=lambda c: c.__name__)
+POSITIONAL = [cls for cls, (kw_only, _) in BRIDGE.items() if not kw_only]
+
+
+@pytest.mark.parametrize("cls", POSITIONAL, ids=lambda c: c.__name__)
 def test_positional_construction_fills_fields_in_bridges_order(cls):
     _, table = BRIDGE[cls]
     values = [default for _, default, _ in table]
@@ -113,9 +118,10 @@ def test_positional_values_land_in_the_right_field():
     ft = FaultToleranceConfig(True, True, True, "rank_killed", 1, 5)
     assert (ft.enable_ft_package, ft.simulated_fault_type, ft.simulated_fault_rank,
             ft.simulated_fault_base_delay) == (True, "rank_killed", 1, 5)
-    rerun = RerunStateMachineConfig(10, "persistent_error", "validate_results")
-    assert (rerun.error_injection_rate, rerun.error_injection_type, rerun.rerun_mode) == (
-        10, "persistent_error", "validate_results")
+    # Bridge's RerunStateMachineConfig is keyword-only: the old positional call is told its keyword form.
+    with pytest.raises(TypeError, match=r"keyword arguments only.*RerunStateMachineConfig\(error_injection_rate=10, "
+                                        r"error_injection_type='persistent_error', rerun_mode='validate_results'\)"):
+        RerunStateMachineConfig(10, "persistent_error", "validate_results")
     assert InProcessRestartConfig(True, 4).max_iterations == 4
     assert NVRxStragglerDetectionConfig(True, 30.0).report_time_interval == 30.0
 
@@ -125,17 +131,17 @@ BAD = [
     (FaultToleranceConfig, "enable_ft_package", "yes", "True or False"),
     (FaultToleranceConfig, "calc_ft_timeouts", 1, "True or False"),
     (FaultToleranceConfig, "simulate_fault", None, "True or False"),
-    (FaultToleranceConfig, "simulated_fault_type", "rank_exception", "one of 'rank_hung'"),
+    (FaultToleranceConfig, "simulated_fault_type", "rank_exception", "Unknown fault type rank_exception"),
     (FaultToleranceConfig, "simulated_fault_rank", -1, "integer >= 0"),
     (FaultToleranceConfig, "simulated_fault_rank", "0", "integer >= 0"),
     (FaultToleranceConfig, "simulated_fault_base_delay", -5, ">= 0"),
     (FaultToleranceConfig, "simulated_fault_base_delay", float("inf"), ">= 0"),
     (NVRxStragglerDetectionConfig, "enabled", "true", "true or false"),
-    (NVRxStragglerDetectionConfig, "report_time_interval", 0, "> 0"),
+    (NVRxStragglerDetectionConfig, "report_time_interval", 0, "report_time_interval must be positive"),
     (NVRxStragglerDetectionConfig, "calc_relative_gpu_perf", 1, "true or false"),
     (NVRxStragglerDetectionConfig, "calc_individual_gpu_perf", "x", "true or false"),
     (NVRxStragglerDetectionConfig, "num_gpu_perf_scores_to_print", -1, ">= 0"),
-    (NVRxStragglerDetectionConfig, "gpu_relative_perf_threshold", 1.5, "(0, 1]"),
+    (NVRxStragglerDetectionConfig, "gpu_relative_perf_threshold", 1.5, "must be between 0.0 and 1.0"),
     (NVRxStragglerDetectionConfig, "gpu_individual_perf_threshold", 0.0, "(0, 1]"),
     (NVRxStragglerDetectionConfig, "stop_if_detected", "no", "true or false"),
     (NVRxStragglerDetectionConfig, "enable_logging", None, "true or false"),
@@ -162,7 +168,8 @@ BAD = [
     (InProcessRestartConfig, "monitor_process_logdir", "", "directory path"),
     (RerunStateMachineConfig, "error_injection_rate", -1, ">= 0"),
     (RerunStateMachineConfig, "error_injection_type", "bitflip", "one of 'correct_result'"),
-    (RerunStateMachineConfig, "rerun_mode", "report_stats", "one of 'disabled'"),
+    (RerunStateMachineConfig, "rerun_mode", "report_stats", "now calls this mode 'report_determinism_stats'"),
+    (RerunStateMachineConfig, "rerun_mode", "skip", "one of 'disabled'"),
     (RerunStateMachineConfig, "check_for_nan_in_loss", "yes", "true or false"),
     (RerunStateMachineConfig, "check_for_spiky_loss", 0, "true or false"),
     (RerunStateMachineConfig, "spiky_loss_factor", 1.0, "> 1"),
@@ -192,7 +199,8 @@ def test_every_bridge_field_has_a_rule_tested():
 def test_core_names_never_leak_into_errors():
     with pytest.raises(ConfigError) as raised:
         NVRxStragglerDetectionConfig(calc_relative_gpu_perf=False, calc_individual_gpu_perf=False)
-    assert "calc_relative_gpu_perf / calc_individual_gpu_perf" in str(raised.value)
+    assert "At least one of calc_relative_gpu_perf or calc_individual_gpu_perf must be True" in str(raised.value)
+    assert "calc_relative_perf" not in str(raised.value)
     with pytest.raises(ConfigError, match=r"monitor_thread_interval=1\.0: must be < soft_timeout"):
         InProcessRestartConfig(soft_timeout=0.5, hard_timeout=90.0)
 

@@ -164,8 +164,8 @@ def test_current_iteration_can_be_aligned_between_steps():
 
 
 def test_bad_input_is_named():
-    with pytest.raises(TypeError, match="config"):
-        RerunStateMachine({"rerun_mode": "validate_results"})
+    with pytest.raises(TypeError, match="expected an object with RerunStateMachineConfig's fields"):
+        RerunStateMachine(object())
     with pytest.raises(ValueError, match="state_save_func and state_restore_func"):
         RerunStateMachine(state_save_func=dict)
     with pytest.raises(ValueError, match="max_same_device_restarts"):

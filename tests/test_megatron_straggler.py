@@ -137,8 +137,8 @@ def test_wrap_twice_returns_the_first_wrapper():
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(TypeError, match="config"):
-        NVRxStragglerDetectionManager({"enabled": True})
+    with pytest.raises(TypeError, match="expected an object with NVRxStragglerDetectionConfig's fields"):
+        NVRxStragglerDetectionManager(object())
     with pytest.raises(ConfigError, match="consecutive_reports"):
         NVRxStragglerDetectionManager(_config(), consecutive_reports=0)
     manager = NVRxStragglerDetectionManager(_config())

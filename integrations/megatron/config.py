@@ -2,91 +2,45 @@
 
 A Bridge `ConfigContainer` carries `ft`, `nvrx_straggler`, `inprocess_restart` and
 `rerun_state_machine`. The classes below keep Bridge's field names, order, defaults,
-`Literal` values and `kw_only` flags (none of the four is kw_only in Bridge), so a config
-written for Bridge, by keyword or by position, builds the same object here.
+`Literal` values and `kw_only` flags, so a config written for Bridge builds the same object
+here: FaultToleranceConfig, NVRxStragglerDetectionConfig and InProcessRestartConfig by
+keyword or by position, RerunStateMachineConfig by keyword only (Bridge made it kw_only when
+it began deriving it from Megatron-LM's; a positional call is refused with the keyword form
+it should be).
 
 Bridge checks only NVRxStragglerDetectionConfig, in `finalize()`. Here every class is
 checked in `__post_init__`, which Bridge's `ConfigContainer.validate()` calls again for the
 classes without a `finalize()`; NVRxStragglerDetectionConfig keeps its `finalize()`, the
-re-check after fields were changed. The rules the core config enforces are not written
-twice: each check builds the core config and rewords its error with Bridge's field names,
-so every error reads "<Class>: <bridge field>=<value>: <rule>".
+re-check after fields were changed.
 
-Each class converts to what nvrx_core runs on; the values Bridge sets (its defaults
-included) are passed explicitly wherever the core's own defaults differ, and `**overrides`
-(core field names) reach the core knobs Bridge has no field for.
+The checks and conversions are `nvrx_megatron.convert`'s functions, which read any
+Bridge-shaped object by field name; the hooks call those, never these methods, so Bridge's
+own dataclasses work as well as these. The methods stay for code written against them.
 """
 
-import contextlib
 import dataclasses
 import enum
-import math
-import os
-import re
-import typing
-from typing import Any, Iterator, Literal, Mapping, Optional
+from typing import Any, Literal, Optional
 
-from nvrx_core.config import ConfigError, build, check
 from nvrx_core.ft.faults import SimulatedFault
 from nvrx_core.inprocess.config import InProcessConfig
 from nvrx_core.rerun.config import RerunConfig
-from nvrx_core.straggler.config import MEGATRON_FIELDS, StragglerConfig
-
-# Core field name -> Bridge field name, for rewording the core's errors.
-_FAULT_NAMES = {"fault_type": "simulated_fault_type", "rank_to_fail": "simulated_fault_rank",
-                "base_delay": "simulated_fault_base_delay"}
-_STRAGGLER_NAMES = {core: bridge for bridge, core in MEGATRON_FIELDS.items()}
-_INPROCESS_NAMES = {"monitor_interval": "monitor_thread_interval", "termination_grace": "termination_grace_time",
-                    "monitor_log_dir": "monitor_process_logdir"}
-
-SIMULATED_FAULT_JITTER = 0.2
-"""Bridge delays a simulated fault by base_delay plus up to this fraction of it, at random."""
+from nvrx_core.straggler.config import StragglerConfig
 
 
-def _reworded(message: str, names: Mapping[str, str]) -> str:
-    renames = {core: bridge for core, bridge in names.items() if core != bridge}
-    if not renames:
-        return message
-    pattern = r"\b(" + "|".join(map(re.escape, renames)) + r")\b"
-    return re.sub(pattern, lambda m: renames[m.group(1)], message)
-
-
-@contextlib.contextmanager
-def _errors_named(config: Any, names: Optional[Mapping[str, str]] = None) -> Iterator[None]:
-    """Prefix any ConfigError with the class name and put Bridge's field names in it."""
-    try:
-        yield
-    except ConfigError as e:
-        raise ConfigError(f"{type(config).__name__}: {_reworded(str(e), names or {})}") from None
-
-
-def _check_literals(config: Any) -> None:
-    """Every Literal-annotated field holds one of its values (an enum member counts as its value)."""
-    for name, hint in typing.get_type_hints(type(config)).items():
-        if typing.get_origin(hint) is not Literal:
-            continue
-        value = getattr(config, name)
+def _enums_to_values(config: Any) -> None:
+    """An enum member given for a Literal field is kept as its value, so the object compares,
+    prints and serialises as Bridge's would."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
         if isinstance(value, enum.Enum):
-            value = value.value
-            setattr(config, name, value)
-        allowed = typing.get_args(hint)
-        check(value in allowed, name, value, f"must be one of {', '.join(map(repr, allowed))}")
+            setattr(config, f.name, value.value)
 
 
-def _check_bool(config: Any, *names: str) -> None:
-    for name in names:
-        check(isinstance(getattr(config, name), bool), name, getattr(config, name), "must be True or False")
+def _convert():
+    from nvrx_megatron import convert  # imports this module: bound at call time
 
-
-def _check_seconds(config: Any, name: str, allow_zero: bool) -> None:
-    value = getattr(config, name)
-    valid = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    valid = valid and (value >= 0 if allow_zero else value > 0)
-    check(valid, name, value, "must be a finite number of seconds " + (">= 0" if allow_zero else "> 0"))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return convert
 
 
 @dataclasses.dataclass
@@ -120,28 +74,13 @@ class FaultToleranceConfig:
     """Seconds from arming to the fault; up to 20% more is added at random, as in Bridge."""
 
     def __post_init__(self) -> None:
-        self._fault(seed=0)
+        _enums_to_values(self)
+        _convert().check_fault_tolerance(self)
 
     def to_simulated_fault(self, seed: int = 0) -> Optional[SimulatedFault]:
-        """The core's time-based fault, or None when simulate_fault is off.
-
-        `seed` picks the random rank and kind; every rank passes the same one, so all agree
-        without the broadcast Bridge needs (which would fail on a CPU / gloo job).
-        """
-        fault = self._fault(seed)
-        return fault if self.simulate_fault else None
-
-    def _fault(self, seed: int) -> SimulatedFault:
-        with _errors_named(self, _FAULT_NAMES):
-            _check_literals(self)
-            _check_bool(self, "enable_ft_package", "calc_ft_timeouts", "simulate_fault")
-            rank = self.simulated_fault_rank
-            check(rank is None or _is_int(rank) and rank >= 0, "simulated_fault_rank", rank,
-                  "must be None or a global rank (an integer >= 0)")
-            _check_seconds(self, "simulated_fault_base_delay", allow_zero=True)
-            delay = float(self.simulated_fault_base_delay)
-            return SimulatedFault(fault_type=self.simulated_fault_type, rank_to_fail=rank, base_delay=delay,
-                                  jitter=SIMULATED_FAULT_JITTER * delay, seed=seed)
+        """The core's time-based fault, or None when simulate_fault is off
+        (`nvrx_megatron.convert.simulated_fault`, which takes any Bridge-shaped config)."""
+        return _convert().simulated_fault(self, seed)
 
 
 @dataclasses.dataclass
@@ -190,6 +129,7 @@ class NVRxStragglerDetectionConfig:
     """Logger the reports go to, Bridge's name by default so existing log filters keep working."""
 
     def __post_init__(self) -> None:
+        _enums_to_values(self)
         self.to_straggler_config()
 
     def finalize(self) -> None:
@@ -197,11 +137,8 @@ class NVRxStragglerDetectionConfig:
         self.to_straggler_config()
 
     def to_straggler_config(self, **overrides: Any) -> StragglerConfig:
-        """The core's StragglerConfig with every Bridge value (core defaults differ: 60 s, 0.8,
-        enabled); gather_on_rank0=True as Bridge's detector runs; `overrides` use core names."""
-        with _errors_named(self, _STRAGGLER_NAMES):
-            values = {bridge: getattr(self, bridge) for bridge in MEGATRON_FIELDS}
-            return StragglerConfig.from_megatron(values, **{"gather_on_rank0": True, **overrides})
+        """`nvrx_megatron.convert.straggler_config(self, **overrides)`."""
+        return _convert().straggler_config(self, **overrides)
 
 
 @dataclasses.dataclass
@@ -274,41 +211,31 @@ class InProcessRestartConfig:
     from the current directory. None: no log file."""
 
     def __post_init__(self) -> None:
+        _enums_to_values(self)
         self.to_inprocess_config()
 
     def to_inprocess_config(self, **overrides: Any) -> InProcessConfig:
-        """The core's InProcessConfig with every Bridge value; Bridge's defaults differ from the
-        core's in granularity, heartbeat_interval, heartbeat_timeout and the termination grace.
-        `overrides` use core names (e.g. interrupt_signal)."""
-        with _errors_named(self, _INPROCESS_NAMES):
-            _check_literals(self)
-            for name in ("monitor_process_interval", "progress_watchdog_interval"):
-                _check_seconds(self, name, allow_zero=False)
-            _check_seconds(self, "last_call_wait", allow_zero=True)
-            logdir = self.monitor_process_logdir
-            check(logdir is None or isinstance(logdir, str) and logdir.strip() != "", "monitor_process_logdir",
-                  logdir, "must be None or a directory path")
-            values = {
-                "enabled": self.enabled, "max_iterations": self.max_iterations,
-                "monitor_interval": self.monitor_thread_interval, "heartbeat_interval": self.heartbeat_interval,
-                "soft_timeout": self.soft_timeout, "hard_timeout": self.hard_timeout,
-                "heartbeat_timeout": self.heartbeat_timeout, "barrier_timeout": self.barrier_timeout,
-                "completion_timeout": self.completion_timeout, "termination_grace": self.termination_grace_time,
-                "granularity": self.granularity, "active_world_size": self.active_world_size,
-                "empty_cuda_cache": self.empty_cuda_cache, "max_rank_faults": self.max_rank_faults,
-                "monitor_log_dir": None if logdir is None else os.path.abspath(logdir),
-                "monitor_process_interval": self.monitor_process_interval,
-                "progress_watchdog_interval": self.progress_watchdog_interval,
-                "last_call_wait": self.last_call_wait,
-            }
-            return build(InProcessConfig, values, overrides, source="overrides")
+        """`nvrx_megatron.convert.inprocess_config(self, **overrides)`."""
+        return _convert().inprocess_config(self, **overrides)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class RerunStateMachineConfig:
     """Result validation: re-run a suspicious step to tell a data problem, a transient fault
     and a faulty device apart. Converts to nvrx_core.rerun.RerunConfig, whose defaults for
-    these six fields are Bridge's."""
+    these six fields are Bridge's.
+
+    Keyword-only, as Bridge's is since it derives from Megatron-LM's keyword-only class:
+    code that builds it positionally would fail on Bridge, so it fails here too, saying how.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "RerunStateMachineConfig":
+        if args:  # the older, positional shape: say the keyword form instead of "takes 1 positional argument"
+            names = [f.name for f in dataclasses.fields(cls)]
+            written = ", ".join(f"{n}={v!r}" for n, v in zip(names, args))
+            raise TypeError(f"RerunStateMachineConfig takes keyword arguments only, as Megatron-Bridge's does: "
+                            f"RerunStateMachineConfig({written})")
+        return super().__new__(cls)
 
     error_injection_rate: int = 0
     """Inject a suspicious result once every N validations on average, to test the machinery;
@@ -333,15 +260,12 @@ class RerunStateMachineConfig:
     """How many times the recent loss a loss must exceed to count as spiky; must be > 1."""
 
     def __post_init__(self) -> None:
+        _enums_to_values(self)
         self.to_rerun_config()
 
     def to_rerun_config(self, **overrides: Any) -> RerunConfig:
-        """The core's RerunConfig with these six values; `overrides` reach the core-only knobs
-        (result_rejected_tracker_filename, spiky_loss_window, ...)."""
-        with _errors_named(self):
-            _check_literals(self)
-            values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-            return build(RerunConfig, values, overrides, source="overrides")
+        """`nvrx_megatron.convert.rerun_config(self, **overrides)`."""
+        return _convert().rerun_config(self, **overrides)
 
 
 __all__ = ["FaultToleranceConfig", "InProcessRestartConfig", "NVRxStragglerDetectionConfig",

@@ -12,8 +12,11 @@ A Bridge-style loop calls them where Bridge's does:
 
 `global_state` is duck-typed like Bridge's GlobalState: `.cfg` (with `.ft`, `.checkpoint.save`,
 `.checkpoint.async_save`, `.train.train_iters`), `.train_state.step`, `.rank_monitor_client`,
-and `.fault_tolerance_state` (made here when missing). Every hook is a no-op when
-`cfg.ft` is None or `setup` did not run.
+and `.fault_tolerance_state` (made here when missing). `cfg.ft` may be any object with
+Bridge's FaultToleranceConfig fields (Bridge's own class included): it is read by name,
+never called. Every hook is a no-op when `cfg.ft` is None or `setup` did not run.
+A train state without a step number (None, missing: a loop that counts elsewhere) loses
+only what needs the number: the progress report, the resumed-at event, the finished flag.
 
 Sections as in Bridge: 'setup' from setup until the first training or eval step; 'step'
 around each step after the first (a first step compiles and warms up); 'checkpointing'
@@ -34,12 +37,15 @@ timeout only at shutdown after all of those.
 
 import dataclasses
 import logging
+import math
+import operator
 import os
 from typing import Any, List, Optional
 
 from nvrx_core.ft import finished
 from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.faults import FaultInjector
+from nvrx_megatron import convert
 
 logger = logging.getLogger("nvrx.megatron.ft")
 
@@ -65,10 +71,14 @@ class FaultToleranceState:
 
 def setup(config: Any, global_state: Any) -> None:
     """Connect to the node monitor, load learned timeouts, open the 'setup' section."""
-    checkpoint_dir = config.checkpoint.save
+    checkpoint = getattr(config, "checkpoint", None)
+    checkpoint_dir = getattr(checkpoint, "save", None)
     if not checkpoint_dir:
-        raise ValueError("checkpoint.save: a checkpoint directory is needed for fault tolerance "
+        raise ValueError("checkpoint.save: checkpointing save dir must be set to enable fault tolerance "
                          "(learned timeouts are kept there as ft_state.json)")
+    ft_config = getattr(config, "ft", None)
+    calc_timeouts = ft_config is not None and convert.bridge_fields(ft_config, "FaultToleranceConfig")[
+        "calc_ft_timeouts"]
     if _rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
     old = getattr(global_state, "rank_monitor_client", None)
@@ -76,8 +86,8 @@ def setup(config: Any, global_state: Any) -> None:
         old.shutdown_workload_monitoring()
     state = _state(global_state)
     state.ft_state_path = os.path.join(checkpoint_dir, "ft_state.json")
-    state.is_async_chkpt_enabled = bool(getattr(config.checkpoint, "async_save", False))
-    state.is_calculating_timeouts = bool(config.ft.calc_ft_timeouts)
+    state.is_async_chkpt_enabled = bool(getattr(checkpoint, "async_save", False))
+    state.is_calculating_timeouts = bool(calc_timeouts)
     client = RankMonitorClient()
     global_state.rank_monitor_client = client
     if not client.init_workload_monitoring():      # warned once by the client
@@ -94,7 +104,9 @@ def on_training_step_start(global_state: Any) -> None:
     state = _state(global_state)
     _close_setup(client, state)
     if state.seen_tr_iters_cnt == 0:
-        client.report_training_resumed(global_state.train_state.step)
+        step = _step(global_state)
+        if step is not None:                       # no number: no resumed-at event, training goes on
+            client.report_training_resumed(step)
     if state.seen_tr_iters_cnt >= NUM_WARMUP_ITERS:
         client.start_section(STEP)
     state.curr_eval_iter_idx = 0                   # training resumed: the evaluation is over
@@ -109,7 +121,9 @@ def on_training_step_end(global_state: Any) -> None:
         client.end_section(STEP)
     state.seen_tr_iters_cnt += 1
     client.send_heartbeat()
-    client.report_progress(global_state.train_state.step)
+    step = _step(global_state)
+    if step is not None:
+        client.report_progress(step)
 
 
 def on_eval_step_start(global_state: Any) -> None:
@@ -156,7 +170,7 @@ def on_checkpointing_end(is_async_finalization: bool, global_state: Any) -> None
 def on_checkpoint_loaded(is_local_chkpt: bool, global_state: Any) -> None:
     """A persistent checkpoint's load time is what a restart's 'setup' must allow; a local
     (in-memory) one can be much faster, so it teaches nothing about 'setup'."""
-    if getattr(global_state.cfg, "ft", None) is not None:
+    if _ft_config(global_state) is not None:
         _state(global_state).is_persistent_chkpt_loaded = not is_local_chkpt
 
 
@@ -193,8 +207,9 @@ def abort(global_state: Any) -> None:
 def maybe_setup_simulated_fault(config: Any) -> Optional[FaultInjector]:
     """Arm cfg.ft's simulated fault (a daemon thread fires it after the delay); the armed
     injector, or None. Every rank picks the same random rank from the same seed: no
-    collective, so it works on CPU, with gloo and without torch.distributed."""
-    fault = config.to_simulated_fault()
+    collective, so it works on CPU, with gloo and without torch.distributed. `config`: any
+    object with Bridge's FaultToleranceConfig fields, or None."""
+    fault = convert.simulated_fault(config)
     if fault is None:
         return None
     injector = FaultInjector(fault, rank=_rank(), world_size=_world_size())
@@ -207,8 +222,12 @@ def maybe_setup_simulated_fault(config: Any) -> Optional[FaultInjector]:
 
 # ---- plumbing -------------------------------------------------------------------------------
 
+def _ft_config(global_state: Any) -> Any:
+    return getattr(getattr(global_state, "cfg", None), "ft", None)
+
+
 def _client(global_state: Any) -> Optional[RankMonitorClient]:
-    if getattr(global_state.cfg, "ft", None) is None:
+    if _ft_config(global_state) is None:
         return None
     client = getattr(global_state, "rank_monitor_client", None)
     return client if client is not None and client.is_active else None
@@ -257,10 +276,33 @@ def _not_learnable_yet(state: FaultToleranceState, closing: bool) -> List[str]:
     return excluded
 
 
+def _step(global_state: Any) -> Optional[int]:
+    """train_state.step as an int (an int, a numpy or 0-d tensor integer, a whole float), or
+    None when there is no step number to report."""
+    step = getattr(getattr(global_state, "train_state", None), "step", None)
+    if step is None or isinstance(step, bool):
+        return None
+    try:
+        return operator.index(step)
+    except TypeError:
+        pass
+    if isinstance(step, float) and math.isfinite(step) and step.is_integer():
+        return int(step)
+    return None
+
+
 def _training_completed(global_state: Any) -> bool:
-    train = getattr(global_state.cfg, "train", None)
+    train = getattr(getattr(global_state, "cfg", None), "train", None)
     train_iters = getattr(train, "train_iters", None)
-    return bool(train_iters) and global_state.train_state.step >= train_iters
+    if not train_iters:
+        return False
+    step = _step(global_state)
+    if step is None:
+        logger.warning("train_state.step is %r, not a step number: cannot tell whether training reached "
+                       "train_iters=%s, so the finished flag is not written",
+                       getattr(getattr(global_state, "train_state", None), "step", None), train_iters)
+        return False
+    return step >= train_iters
 
 
 def _rank() -> int:

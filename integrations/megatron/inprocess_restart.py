@@ -32,7 +32,6 @@ core. Health checks after a fault: this rank's GPU, NVLink and CUDA (10 s, as Br
 "not applicable" on a CPU machine.
 """
 
-import dataclasses
 import datetime
 import logging
 from typing import Any, Callable, Optional, Tuple
@@ -41,6 +40,7 @@ import torch.distributed as dist
 
 from nvrx_core.health import rank_health_checks
 from nvrx_core.inprocess import InProcessConfig, RestartState, Wrapper
+from nvrx_megatron import convert
 
 logger = logging.getLogger("nvrx.megatron.inprocess")
 
@@ -48,18 +48,13 @@ CUDA_CHECK_TIMEOUT = 10.0
 """Seconds the CUDA health check may take after a fault (Bridge's CudaHealthCheck timeout)."""
 
 
-def core_config(config: Any) -> InProcessConfig:
-    """The core's InProcessConfig for a Bridge InProcessRestartConfig, every field applied.
-
-    The three fields the config module only checks (monitor_process_interval,
-    progress_watchdog_interval, last_call_wait) are passed under the core's names, which are
-    Bridge's; errors name Bridge's fields.
-    """
-    overrides = {name: getattr(config, name)
-                 for name in ("monitor_process_interval", "progress_watchdog_interval", "last_call_wait")}
-    if config.active_world_size is not None:
-        overrides["min_active_world_size"] = config.active_world_size
-    return config.to_inprocess_config(**overrides)
+def core_config(config: Any, **overrides: Any) -> InProcessConfig:
+    """The core's InProcessConfig for any object with Bridge's InProcessRestartConfig fields,
+    every field applied; errors name Bridge's fields. `overrides` use the core's names."""
+    active = convert.bridge_fields(config, "InProcessRestartConfig")["active_world_size"]
+    if active is not None:
+        overrides.setdefault("min_active_world_size", active)  # Bridge: exactly this many train
+    return convert.inprocess_config(config, **overrides)
 
 
 def inprocess_restart(train_fn: Callable, config: Any, global_state: Any) -> Callable:
@@ -73,18 +68,24 @@ def inprocess_restart(train_fn: Callable, config: Any, global_state: Any) -> Cal
 
 def maybe_wrap_for_inprocess_restart(train_fn: Callable, config: Any, state: Any
                                      ) -> Tuple[Callable, Optional[dist.Store]]:
-    """(train_fn, None) when `config.enabled` is False; else (wrapped train_fn, restart store).
+    """(train_fn, None) when `config.enabled` is False (or config is None); else (wrapped
+    train_fn, restart store). `config`: any object with Bridge's InProcessRestartConfig fields.
 
     Pass the store back as `store=` when calling the wrapped function (Bridge's pretrain does).
     """
-    if not config.enabled:
+    if config is None:
+        return train_fn, None
+    enabled = convert.bridge_fields(config, "InProcessRestartConfig")["enabled"]
+    if not isinstance(enabled, bool):  # a string "false" is truthy: it must not switch restarts on
+        core_config(config)            # raises, naming the field
+    if not enabled:
         return train_fn, None
     store = RestartStore()
     return _wrap(train_fn, config, state, store), store
 
 
 def _wrap(train_fn: Callable, config: Any, global_state: Any, store: Optional["RestartStore"]) -> Callable:
-    settings = dataclasses.replace(core_config(config), enabled=True)
+    settings = core_config(config, enabled=True)  # Bridge wraps whatever `enabled` says
 
     def call(*args: Any, _nvrx_restart_state: RestartState, **kwargs: Any) -> Any:
         state = _nvrx_restart_state

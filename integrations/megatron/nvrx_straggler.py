@@ -30,7 +30,9 @@ import torch
 
 from nvrx_core.events import EventLog
 from nvrx_core.straggler import Detector, Report
-from nvrx_megatron.config import NVRxStragglerDetectionConfig
+from nvrx_megatron import convert
+
+_CONFIG = "NVRxStragglerDetectionConfig"
 
 TRAIN_STEP_SECTION = "train_step"
 """Section name the wrapped train step is timed under (it appears in reports and events)."""
@@ -39,27 +41,26 @@ TRAIN_STEP_SECTION = "train_step"
 class NVRxStragglerDetectionManager:
     """Bridge's manager: times the train step and answers "stop for a straggler?" each step.
 
-    `config`: Bridge's NVRxStragglerDetectionConfig; with `enabled=False` every method is a
+    `config`: any object with Bridge's NVRxStragglerDetectionConfig fields (Bridge's own class,
+    this package's, a SimpleNamespace), read by name; with `enabled=False` every method is a
     no-op (check_stragglers answers False). The keyword-only arguments are not Bridge's:
     `group` (process group scored over; default: the default group), `events`, `clock` and
     `timer` (injectable for tests), and `core_overrides`, StragglerConfig knobs Bridge has
     no field for (consecutive_reports, warmup_reports, control_file, ...).
     """
 
-    def __init__(self, config: NVRxStragglerDetectionConfig, *, group: Any = None,
+    def __init__(self, config: Any, *, group: Any = None,
                  events: Optional[EventLog] = None, clock: Callable[[], float] = time.monotonic,
                  timer: Callable[[], float] = time.perf_counter, **core_overrides: Any):
-        if not isinstance(config, NVRxStragglerDetectionConfig):
-            raise TypeError(f"config: expected an NVRxStragglerDetectionConfig, got {type(config).__name__}")
-        config.to_straggler_config(**core_overrides)  # a bad override is named here, not at initialize()
+        core = convert.straggler_config(config, **core_overrides)  # a bad value is named here, not at initialize()
         self.config = config
-        self.logger = logging.getLogger(config.logger_name)
+        self.logger = logging.getLogger(core.logger_name)
         self.initialized = False
         self.wrapped_function: Optional[Callable] = None
         self.scores_to_compute: List[str] = []
-        if config.calc_relative_gpu_perf:
+        if core.calc_relative_perf:
             self.scores_to_compute.append("relative_perf_scores")
-        if config.calc_individual_gpu_perf:
+        if core.calc_individual_perf:
             self.scores_to_compute.append("individual_perf_scores")
         self.detector: Optional[Detector] = None
         """The core detector while initialized (None when disabled or shut down)."""
@@ -74,10 +75,10 @@ class NVRxStragglerDetectionManager:
         if self.initialized:
             raise RuntimeError("NVRxStragglerDetectionManager.initialize(): already initialized; "
                                "call shutdown() first")
-        if not self.config.enabled:
+        core = convert.straggler_config(self.config, **self._overrides)  # fields may have changed since __init__
+        if not core.enabled:
             self.logger.debug("NVRx straggler detection is disabled")
             return
-        core = self.config.to_straggler_config(**self._overrides)  # fields may have changed since __init__
         self.detector = Detector(core, group=self._group, events=self._events, clock=self._clock,
                                  timer=self._timer, exit_fn=None)
         self.initialized = True
@@ -133,7 +134,7 @@ class NVRxStragglerDetectionManager:
         self.wrapped_function = None
 
     def _active(self) -> bool:
-        return self.initialized and self.config.enabled
+        return self.initialized and bool(convert.bridge_field(self.config, _CONFIG, "enabled"))
 
 
 def check_nvrx_straggler_detection(nvrx_straggler_manager: Optional[NVRxStragglerDetectionManager]) -> bool:

@@ -42,6 +42,7 @@ from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import (CallbackStateAdapter, DeviceIdentity, LargeValueTracker, RerunDataIterator,
                              RerunDiagnostic, RerunMode, RerunState, RerunStateError, RerunValidationError)
 from nvrx_core.rerun import RerunStateMachine as CoreRerunStateMachine
+from nvrx_megatron import convert
 from nvrx_megatron.config import RerunStateMachineConfig
 
 EXIT_CODE_RESUME_TO_DISAMBIGUATE: int = int(ExitCode.RERUN_RESUME_ELSEWHERE)
@@ -57,7 +58,8 @@ STATE_FORMAT = "nvrx_megatron.rerun_state_machine/1"
 class RerunStateMachine:
     """Megatron's rerun state machine API over one nvrx_core.rerun.RerunStateMachine.
 
-    `config`: Bridge's RerunStateMachineConfig (default: rerun_mode "disabled").
+    `config`: any object with Bridge's RerunStateMachineConfig fields, read by name (Bridge's
+    own class, this package's, a SimpleNamespace; default: rerun_mode "disabled").
     `state_save_func` / `state_restore_func`: Megatron's pair for state a rerun must restore
     beyond the RNGs (e.g. a model-parallel RNG tracker); both or neither.
     Not Megatron's, keyword-only: `process_group`, `device`, `device_identity` (a test
@@ -66,15 +68,14 @@ class RerunStateMachine:
     max_same_device_restarts, spiky_loss_window, ...).
     """
 
-    def __init__(self, config: Optional[RerunStateMachineConfig] = None, *,
+    def __init__(self, config: Any = None, *,
                  state_save_func: Optional[Callable[[], Any]] = None,
                  state_restore_func: Optional[Callable[[Any], None]] = None,
                  process_group: Any = None, device: Optional[torch.device] = None,
                  device_identity: Optional[DeviceIdentity] = None, events: Optional[EventLog] = None,
                  tensor_ops_on_cpu: bool = False, **core_overrides: Any):
         config = RerunStateMachineConfig() if config is None else config
-        if not isinstance(config, RerunStateMachineConfig):
-            raise TypeError(f"config: expected a RerunStateMachineConfig or None, got {type(config).__name__}")
+        core_config = convert.rerun_config(config, **core_overrides)
         if (state_save_func is None) != (state_restore_func is None):
             raise ValueError("state_save_func and state_restore_func: pass both (what to save and how to "
                              "restore it) or neither")
@@ -84,7 +85,7 @@ class RerunStateMachine:
         extra = [CallbackStateAdapter(state_save_func, state_restore_func)] if state_save_func else []
         self.config = config
         self.machine = CoreRerunStateMachine(
-            config.to_rerun_config(**core_overrides), process_group=process_group, device=device,
+            core_config, process_group=process_group, device=device,
             device_identity=device_identity, extra_state_adapters=extra, events=events,
             tensor_ops_on_cpu=tensor_ops_on_cpu)
         """The nvrx_core machine (diagnoses, validate_loss, report_determinism_stats, ...)."""
