@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 JOB = os.path.join(HERE, "_slurm_job.py")
 from slurm_cluster import (FINAL_STATES, _environ, _pids, cluster_env, crash_node, exclusive,  # noqa: E402
                            nodes_back, slurm)
+from nvrx_core.ft.config_env import FT_CONFIG_ENV  # noqa: E402
 STEPS, FAULT_STEP = 60, 15
 FT = dict(initial_rank_heartbeat_timeout=120, rank_heartbeat_timeout=10)  # as tests/test_slurm_nemo_run.py
 RESTARTS, RETRIES = 3, 2
@@ -323,28 +324,15 @@ def print_case(case, results, names):
 
 
 def check_peer(peer_bin):
-    """Does the peer's ft_launcher take the flags NeMo-Run writes (parsed up to --help) and the
-    YAML our plugin writes (through its own config class)?"""
-    from nvrx_nemo_run import FaultTolerancePlugin
-    from nvrx_nemo_run.executor import ft_config_yaml
-
+    """Does the peer's ft_launcher take the flags NeMo-Run writes (parsed up to --help)?"""
     flags = subprocess.run([os.path.join(peer_bin, "ft_launcher"), "--ft-workload_check_interval", "5",
                             "--ft-initial_rank_heartbeat_timeout", "120", "--ft-rank_heartbeat_timeout", "10",
                             "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500",
                             "--rdzv-id", "1", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", "0", "--tee",
                             "3", "--help"], capture_output=True, text=True, timeout=120)
-    plugin = FaultTolerancePlugin(num_in_job_restarts=RESTARTS, num_job_retries_on_failure=RETRIES, **FT)
-    with tempfile.NamedTemporaryFile("w", suffix=".yml") as f:
-        f.write(ft_config_yaml(plugin.ft_config()))
-        f.flush()
-        yaml = subprocess.run([os.path.join(peer_bin, "python"), "-c", "import sys; from nvidia_resiliency_ext."
-                               "fault_tolerance.config import FaultToleranceConfig as C; C.from_yaml_file(sys.argv[1])",
-                               f.name], capture_output=True, text=True, timeout=120)
     flags_ok = "accepted" if flags.returncode == 0 else "REFUSED: " + flags.stderr[-300:]
-    yaml_ok = "parsed by its config class" if yaml.returncode == 0 else "REFUSED: " + yaml.stderr[-300:]
-    print(f"peer ft_launcher: NeMo-Run's flags {flags_ok}; our plugin's YAML {yaml_ok}"
-          "; it reads a config file only from --ft-cfg-path (or PET_FT_CFG_PATH), never FAULT_TOL_CFG_PATH, so in "
-          "the jobs its settings come from NeMo-Run's flags (the same values)", flush=True)
+    print(f"peer ft_launcher: NeMo-Run's flags {flags_ok}; it ignores our plugin's ${FT_CONFIG_ENV} (the same "
+          "heartbeat timeouts reach it as NeMo-Run's flags)", flush=True)
 
 
 def main() -> int:

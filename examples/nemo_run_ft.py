@@ -7,8 +7,9 @@ under our ft_launcher, as a run.Script or as a run.Partial of its ConfigContaine
 
 `--kill-rank-after S` kills rank 1 S seconds in (Bridge's simulated fault): the job restarts it
 in place and finishes. On a cluster, swap the executor for `run.SlurmExecutor(...)`: the plugins
-then also write the fault-tolerance YAML next to the job, ask Slurm for SIGTERM 60 s before
-the time limit, and make a preempted job requeue instead of counting as failed.
+then also ask Slurm for SIGTERM 60 s before the time limit and make a preempted job requeue
+instead of counting as failed (the fault-tolerance config travels in the job's environment,
+NVRX_FT_CONFIG, on every executor).
 """
 
 import argparse

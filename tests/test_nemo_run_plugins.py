@@ -92,23 +92,32 @@ def test_a_custom_converter_replaces_the_hydra_overrides(tmp_path):
     assert task.args[-1] == "--ft=True"                           # Bridge: nothing when the handler is off
 
 
-def test_the_ft_config_file_carries_what_nemo_runs_command_line_cannot(tmp_path, monkeypatch):
+def _exported(value):
+    """NVRX_FT_CONFIG as the job sees it after NeMo-Run's Slurm template's unquoted `export K=V`."""
+    out = subprocess.run(["bash", "-c", f"export NVRX_FT_CONFIG={value}\nprintenv NVRX_FT_CONFIG"],
+                         capture_output=True, text=True, check=True)
+    return out.stdout.rstrip("\n")
+
+
+def test_the_executor_environment_carries_what_nemo_runs_command_line_cannot(tmp_path, monkeypatch):
     executor = _executor(tmp_path)
     plugin = FaultTolerancePlugin(initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None,
                                   rank_section_timeouts={"setup": 600, "step": 60, "checkpointing": 120},
                                   rank_out_of_section_timeout=60, workload_check_interval=2)
     plugin.setup(_script(), executor)
-    path = executor.env_vars["FAULT_TOL_CFG_PATH"]
-    assert yaml.safe_load(open(path))["fault_tolerance"] == {
-        "initial_rank_heartbeat_timeout": None, "rank_heartbeat_timeout": None,
-        "rank_section_timeouts": {"setup": 600, "step": 60, "checkpointing": 120},
-        "rank_out_of_section_timeout": 60, "workload_check_interval": 2}
+    assert "FAULT_TOL_CFG_PATH" not in executor.env_vars
+    value = executor.env_vars["NVRX_FT_CONFIG"]
+    assert _exported(value) == value                                   # survives an unquoted shell export
     # ft_launcher reads it: heartbeats off (NeMo-Run would have dropped the None), sections on
-    monkeypatch.setenv("FAULT_TOL_CFG_PATH", path)
+    monkeypatch.setenv("NVRX_FT_CONFIG", value)
+    monkeypatch.setenv("FAULT_TOL_CFG_PATH", str(tmp_path / "never_written.yml"))  # as the Slurm template
     cfg = load_ft_config(build_parser().parse_args(["train.py"]))
     assert cfg.rank_heartbeat_timeout is None and cfg.initial_rank_heartbeat_timeout is None
     assert cfg.rank_section_timeouts == {"setup": 600, "step": 60, "checkpointing": 120}
-    assert cfg.rank_out_of_section_timeout == 60
+    assert (cfg.rank_out_of_section_timeout, cfg.workload_check_interval) == (60, 2)
+    # the command line NeMo-Run writes still has the last word
+    cfg = load_ft_config(build_parser().parse_args(["--ft-rank-out-of-section-timeout", "90", "train.py"]))
+    assert (cfg.rank_out_of_section_timeout, cfg.rank_section_timeouts["step"]) == (90, 60)
 
 
 # ---- Partial tasks ------------------------------------------------------------------------
@@ -241,30 +250,21 @@ def test_a_slurm_dry_run_writes_an_sbatch_script_our_launcher_accepts(tmp_path, 
 
     assert "#SBATCH --signal=TERM@60" in script
     assert "export NVRX_PREEMPTED_EXIT_CODE=0" in script
-    [cfg_line] = [line for line in script.splitlines() if line.startswith("export FAULT_TOL_CFG_PATH=")]
-    cfg_path = cfg_line.split("=", 1)[1].strip('"')
-    assert cfg_path.startswith(str(tmp_path / "cluster"))
-    assert not os.path.exists(cfg_path)
-    # the script itself writes the file when the job starts (setup left NeMo-Run's job dir alone)
-    before_cfg = script.split("export FAULT_TOL_CFG_PATH=", 1)[0]
-    heredoc = f"cat > {cfg_path} <<'NVRX_FT_CFG_EOF'\n"
-    assert heredoc in before_cfg
-    written = before_cfg.split(heredoc, 1)[1].split("\nNVRX_FT_CFG_EOF\n", 1)[0]
-    assert yaml.safe_load(written)["fault_tolerance"]["rank_section_timeouts"] == {"setup": 600, "step": 60}
-    cfg_path = str(tmp_path / "ft_cfg.yml")
-    with open(cfg_path, "w") as f:
-        f.write(written)
-
+    assert not (tmp_path / "cluster").exists()                        # setup wrote nothing on the cluster side
+    [cfg_line] = [line for line in script.splitlines() if line.startswith("export NVRX_FT_CONFIG=")]
+    value = _exported(cfg_line.split("=", 1)[1])
     [launch] = [line for line in script.splitlines() if " ft_launcher " in line]
     argv = shlex.split(launch.split(" ft_launcher ", 1)[1])
     args = build_parser().parse_args(argv)                   # every flag NeMo-Run wrote is ours too
     assert args.max_restarts == 3 and args.nproc_per_node == "2"
     assert args.training_script == "/opt/train.py"
     assert args.training_script_args == ["--save", "/ckpt", *BRIDGE_FT_ARGS, *BRIDGE_PREEMPTION_ARGS]
-    monkeypatch.setenv("FAULT_TOL_CFG_PATH", cfg_path)
+    monkeypatch.setenv("NVRX_FT_CONFIG", value)
+    [path_line] = [line for line in script.splitlines() if line.startswith("export FAULT_TOL_CFG_PATH=")]
+    monkeypatch.setenv("FAULT_TOL_CFG_PATH", path_line.split("=", 1)[1].strip('"'))  # exported, never written
     cfg = load_ft_config(args)
     assert (cfg.initial_rank_heartbeat_timeout, cfg.rank_heartbeat_timeout) == (1800, 300)
-    assert cfg.rank_section_timeouts["step"] == 60
+    assert cfg.rank_section_timeouts == {"setup": 600, "step": 60}
 
 
 def test_the_example_dry_runs_a_partial_with_our_launcher(tmp_path):
@@ -274,23 +274,62 @@ def test_the_example_dry_runs_a_partial_with_our_launcher(tmp_path):
     out = subprocess.run([sys.executable, example, "--root", str(tmp_path / "root"), "--dryrun", *form],
                          capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "'ft_launcher'" in out.stdout and "FAULT_TOL_CFG_PATH" in out.stdout
+    assert "'ft_launcher'" in out.stdout and "NVRX_FT_CONFIG" in out.stdout
     assert "ft.enable_ft_package=true" not in out.stdout   # a Partial gets a config, not arguments
 
 
-def test_on_slurm_the_config_is_written_by_the_job_and_setup_twice_keeps_the_users_lines_once(tmp_path):
-    # NeMo-Run creates the job directory after plugins run and refuses one that exists: setup must not create it
-    executor = run.SlurmExecutor(account="acct", setup_lines="module load cuda\nexport A=1",
-                                 tunnel=run.LocalTunnel(job_dir=str(tmp_path / "experiments")))
-    executor.assign("exp_1", str(tmp_path / "experiments" / "exp" / "exp_1"), "job", "job")
-    task = run.Script(path="/opt/train.py")
-    for values in ({"rank_heartbeat_timeout": 300}, {"rank_heartbeat_timeout": 90}):
-        FaultTolerancePlugin(**values).setup(task, executor)
-    assert not (tmp_path / "experiments").exists()
-    assert executor.setup_lines.startswith("module load cuda\nexport A=1\n# nvrx-suite")
-    assert executor.setup_lines.count("NVRX_FT_CFG_EOF") == 2            # one heredoc: the second setup's
-    assert "rank_heartbeat_timeout: 90" in executor.setup_lines and ": 300" not in executor.setup_lines
-    path = os.path.join(str(tmp_path / "experiments" / "exp" / "exp_1" / "job"), "job_ft_cfg.yml")
-    result = subprocess.run(["bash", "-c", executor.setup_lines.split("\n", 2)[2]], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(open(path))["fault_tolerance"]["rank_heartbeat_timeout"] == 90
+def _files_under(*roots):
+    return {os.path.join(d, n) for root in roots for d, _, names in os.walk(root) for n in names}
+
+
+def _optional(module, name, **kwargs):
+    """An executor whose package is optional in NeMo-Run (Skypilot, Kubernetes): skipped, with the
+    reason, where that package is not installed."""
+    def make():
+        import importlib
+
+        try:
+            return getattr(importlib.import_module(f"nemo_run.core.execution.{module}"), name)(**kwargs)
+        except (ImportError, AssertionError) as e:  # NeMo-Run asserts Skypilot's presence
+            pytest.skip(f"{name} cannot be built here: {e}")
+    return make
+
+
+EXECUTORS = {  # NeMo-Run 0.11's executors, none with a job directory
+    "local": lambda: run.LocalExecutor(ntasks_per_node=2),
+    "slurm": lambda: run.SlurmExecutor(account="acct", tunnel=run.LocalTunnel(job_dir=""), setup_lines="module load cuda"),
+    "docker": lambda: run.DockerExecutor(container_image="nvcr.io/nvidia/pytorch", num_gpus=2),
+    "dgxcloud": lambda: run.DGXCloudExecutor(base_url="https://dgx.invalid", kube_apiserver_url="https://k.invalid",
+                                             client_id="a", client_secret="s", project_name="p", container_image="img",
+                                             pvc_nemo_run_dir="/pvc"),
+    "lepton": lambda: run.LeptonExecutor(container_image="img", nemo_run_dir="/nemo_run", nodes=1, gpus_per_node=2),
+    "skypilot": _optional("skypilot", "SkypilotExecutor", gpus="H100", gpus_per_node=2),
+    "skypilot_jobs": _optional("skypilot_jobs", "SkypilotJobsExecutor", gpus="H100", gpus_per_node=2),
+    "kubeflow": _optional("kubeflow", "KubeflowExecutor"),
+    "kuberay": _optional("kuberay", "KubeRayExecutor"),
+}
+
+
+@pytest.mark.parametrize("kind", list(EXECUTORS))
+def test_setup_on_every_executor_changes_only_the_task_and_the_executor(tmp_path, monkeypatch, kind):
+    executor = EXECUTORS[kind]()
+    for name in ("run", "put", "get", "connect", "cleanup"):       # no call through any tunnel
+        monkeypatch.setattr(run.LocalTunnel, name, lambda *a, **k: pytest.fail("setup used the tunnel"),
+                            raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    before = _files_under(tmp_path, os.path.expanduser("~/.nemo_run"))
+    task = _script()
+    plugins = [FaultTolerancePlugin(rank_section_timeouts={"setup": 600, "step": 60}, rank_out_of_section_timeout=60),
+               PreemptionPlugin(), StragglerDetectionPlugin(), InProcessRestartPlugin()]
+    for plugin in plugins * 2:                                       # twice: the same outcome
+        plugin.setup(task, executor)
+    assert _files_under(tmp_path, os.path.expanduser("~/.nemo_run")) == before
+    assert isinstance(executor.launcher, run.FaultTolerance)
+    assert executor.env_vars["NVRX_FT_CONFIG"] == ("initial_rank_heartbeat_timeout=1800,rank_heartbeat_timeout=300,"
+                                                   "rank_section_timeouts.setup=600,rank_section_timeouts.step=60,"
+                                                   "rank_out_of_section_timeout=60,workload_check_interval=5.0")
+    assert "FAULT_TOL_FINISHED_FLAG_FILE" not in executor.env_vars   # no job directory to put it in
+    assert task.args.count(BRIDGE_FT_ARGS[0]) == 2                    # each setup adds its overrides, as Bridge's
+    if isinstance(executor, run.SlurmExecutor):
+        assert executor.setup_lines == "module load cuda" and executor.signal == "TERM@60"

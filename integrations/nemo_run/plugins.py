@@ -75,7 +75,7 @@ class FaultTolerancePlugin(Plugin):
         self.ft_config()  # the core's own rules (a section timeout without sections, ...)
 
     def ft_config(self) -> Dict[str, Any]:
-        """The `fault_tolerance:` values ft_launcher gets from the YAML file, checked by the core."""
+        """The fault-tolerance values ft_launcher gets from $NVRX_FT_CONFIG, checked by the core."""
         from nvrx_core.ft.config import FTConfig
 
         values: Dict[str, Any] = {
@@ -96,7 +96,7 @@ class FaultTolerancePlugin(Plugin):
         name = type(self).__name__
         kind, target = classify(task, run, name)
         values = self.ft_config()
-        ex.install_ft_config(executor, run, values)
+        ex.install_ft_config(executor, values)
         ex.install_finished_flag(executor, run, self.finished_flag_file)
         executor.launcher = run.FaultTolerance(
             max_restarts=self.num_in_job_restarts,

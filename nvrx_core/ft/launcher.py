@@ -31,6 +31,7 @@ from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultToleran
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.collective_trace import DEFAULT_BUFFER_ENTRIES
 from nvrx_core.ft import rendezvous as barrier
+from nvrx_core.ft import config_env
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
@@ -126,19 +127,23 @@ def _ft_flag_help(name: str) -> str:
 
 
 def load_ft_config(args) -> FTConfig:
-    """Defaults < the YAML file < --ft-* flags. A missing file named by --ft-cfg-path is an
-    error; one named by $FAULT_TOL_CFG_PATH only a warning: NeMo-Run's Slurm template exports
-    that variable whether or not anything wrote the file."""
+    """Defaults < the YAML file < $NVRX_FT_CONFIG (what a scheduler plugin sets, config_env) <
+    --ft-* flags. A missing file named by --ft-cfg-path is an error; one named by
+    $FAULT_TOL_CFG_PATH only a note: NeMo-Run's Slurm template exports that variable whether
+    or not anything wrote the file."""
+    from_env = config_env.decode(os.environ.get(config_env.FT_CONFIG_ENV, ""))
     path = args.ft_cfg_path or os.environ.get(CONFIG_PATH_ENV)
     if path and not os.path.exists(path):
         if args.ft_cfg_path and not args.ignore_missing_fault_tol_cfg:
             raise ConfigError(f"fault tolerance config {path!r} does not exist "
                               "(pass --ignore-missing-fault-tol-cfg to run with defaults)")
-        logger.warning("fault tolerance config %s (%s) not found; using defaults and --ft-* flags", path,
-                       "--ft-cfg-path" if args.ft_cfg_path else f"${CONFIG_PATH_ENV}")
+        (logger.info if from_env else logger.warning)(
+            "fault tolerance config %s (%s) not found; using %s", path,
+            "--ft-cfg-path" if args.ft_cfg_path else f"${CONFIG_PATH_ENV}",
+            f"${config_env.FT_CONFIG_ENV} and --ft-* flags" if from_env else "defaults and --ft-* flags")
         path = None
     overrides = {name: getattr(args, f"ft_{name}") for name in _ft_fields() if getattr(args, f"ft_{name}") is not None}
-    return FTConfig.from_layers(path, overrides)
+    return FTConfig.from_layers(path, {**from_env, **overrides})
 
 
 def preempted_exit_code() -> Optional[int]:
