@@ -212,9 +212,10 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="fault_type='sideways'"):
         NVRxFaultTolerance(simulated_fault={"fault_type": "sideways", "at_iteration": 3})
     with pytest.raises(ConfigError, match="base_delay=-1"):
-        FaultToleranceCallback(simulated_fault_params=SimulatedFaultParams("rank_killed", base_delay=-1))
+        FaultToleranceCallback(True, True, simulated_fault_params=SimulatedFaultParams("rank_killed", base_delay=-1))
     with pytest.raises(ConfigError, match="simulated_fault_params=\\['when'\\]"):
-        FaultToleranceCallback(simulated_fault_params={"fault_type": "rank_hung", "base_delay": 1, "when": 2})
+        FaultToleranceCallback(True, True,
+                               simulated_fault_params={"fault_type": "rank_hung", "base_delay": 1, "when": 2})
     with pytest.raises(ConfigError, match="calculate_timeouts"):
         NVRxFaultTolerance(calculate_timeouts="yes")
     blocker = tmp_path / "a_file"

@@ -251,47 +251,6 @@ class _FitRun:
         self.client.shutdown_workload_monitoring()
 
 
-@dataclasses.dataclass
-class SimulatedFaultParams:
-    """nvidia-resiliency-ext's time-based simulated fault, with its field names: fires
-    base_delay + uniform(0, rand_delay) seconds after setup, in rank_to_fail (None: a
-    random rank)."""
-
-    fault_type: str
-    base_delay: float
-    rand_delay: float = 0.0
-    rank_to_fail: Optional[int] = None
-
-    def to_simulated_fault(self) -> SimulatedFault:
-        return SimulatedFault(fault_type=self.fault_type, rank_to_fail=self.rank_to_fail,
-                              base_delay=self.base_delay, jitter=self.rand_delay)
-
-
-class FaultToleranceCallback(NVRxFaultTolerance):
-    """NVRxFaultTolerance under nvidia-resiliency-ext's name and arguments, so code written
-    for its Lightning callback ports by changing the import: `autoresume` is
-    write_finished_flag, `exp_dir` is state_dir, `simulated_fault_params` a
-    SimulatedFaultParams (or a dict of its fields)."""
-
-    def __init__(self, autoresume: bool = True, calculate_timeouts: bool = True,
-                 simulated_fault_params: Union[SimulatedFaultParams, Mapping[str, Any], None] = None,
-                 exp_dir: Union[str, os.PathLike, None] = None,
-                 logger_name: Optional[str] = "nvrx.lightning.ft"):
-        if isinstance(simulated_fault_params, Mapping):
-            known = {f.name for f in dataclasses.fields(SimulatedFaultParams)}
-            unknown = sorted(set(simulated_fault_params) - known)
-            check(not unknown, "simulated_fault_params", unknown, f"unknown fields; known: {sorted(known)}")
-            simulated_fault_params = SimulatedFaultParams(**simulated_fault_params)
-        check(simulated_fault_params is None or isinstance(simulated_fault_params, SimulatedFaultParams),
-              "simulated_fault_params", simulated_fault_params, "must be a SimulatedFaultParams, a dict or None")
-        try:
-            fault = None if simulated_fault_params is None else simulated_fault_params.to_simulated_fault()
-        except ConfigError as e:
-            raise ConfigError(f"simulated_fault_params: {e}") from None
-        super().__init__(calculate_timeouts=calculate_timeouts, state_dir=exp_dir, write_finished_flag=autoresume,
-                         simulated_fault=fault, logger_name=logger_name or "nvrx.lightning.ft")
-
-
 def training_completed(trainer: Any) -> bool:
     """Did the fit end because training is done (not a failure, a preemption or a stop)?"""
     if trainer.interrupted:

@@ -27,6 +27,9 @@ from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.ft.client_link import MonitorLink, read_reply
 from nvrx_core.ft.collective_trace import collectives_message
+from nvrx_core.ft.config import FTConfig
+from nvrx_core.ft.nvrx_names import (NVRX_STATE_KEY, MonitorUnreachable, NVRxClientNames, RankMonitorClientError,
+                                     state_from_nvrx)
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
 from nvrx_core.ft.uncaught import UncaughtExceptionRecorder
@@ -50,8 +53,9 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
-class RankMonitorClient:
-    """Connects one rank to the node monitor started by ft_launcher."""
+class RankMonitorClient(NVRxClientNames):
+    """Connects one rank to the node monitor started by ft_launcher (nvidia-resiliency-ext's
+    names for the same state come from NVRxClientNames)."""
 
     def __init__(self, socket_path: Optional[str] = None, clock: Callable[[], float] = time.monotonic):
         self._path = socket_path if socket_path is not None else os.environ.get(MONITOR_SOCKET_ENV)
@@ -82,6 +86,8 @@ class RankMonitorClient:
         self._dump_claim: Optional[SignalClaim] = None
         self._uncaught: Optional[UncaughtExceptionRecorder] = None
         self._events: Optional[ev.EventLog] = None
+        self.cfg: Optional[FTConfig] = None
+        """The monitor's config, once registered (nvidia-resiliency-ext's name)."""
 
     @property
     def is_active(self) -> bool:
@@ -110,17 +116,18 @@ class RankMonitorClient:
             sock.connect(self._path)
         except OSError as e:
             sock.close()
-            raise ConnectionError(f"cannot reach the ft_launcher node monitor at {self._path}: {e}") from None
+            raise MonitorUnreachable(f"cannot reach the ft_launcher node monitor at {self._path}: {e}") from None
         try:
             sock.sendall(init)
             reply = read_reply(sock, connect_timeout)
         except OSError as e:
             sock.close()
-            raise ConnectionError(f"the node monitor at {self._path} did not register this rank: {e}") from None
+            raise MonitorUnreachable(f"the node monitor at {self._path} did not register this rank: {e}") from None
         if reply["t"] != "init_ok":
             sock.close()
-            raise ConnectionError(f"node monitor refused this rank: {reply.get('reason')}")
+            raise MonitorUnreachable(f"node monitor refused this rank: {reply.get('reason')}")
         cfg = reply["config"]
+        self.cfg = FTConfig.from_json(cfg)
         self._safety_factor = float(cfg["safety_factor"])
         self._min_timeout = float(cfg.get("min_calculated_timeout", 0.0))
         self._section_names = tuple(sorted(cfg["rank_section_timeouts"]))
@@ -265,7 +272,8 @@ class RankMonitorClient:
             events.emit(ev.STEP_DONE, step=int(iteration))
 
     # ---- timeouts --------------------------------------------------------------
-    def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False, exclude: Iterable[str] = ()) -> bool:
+    def calculate_and_set_timeouts(self, skip_if_not_ready: bool = False, exclude: Iterable[str] = (),
+                                   require: Iterable[str] = ()) -> bool:
         """Collective: timeouts = safety_factor x the longest interval seen on any rank
         (at least min_calculated_timeout).
 
@@ -278,7 +286,9 @@ class RankMonitorClient:
         not seen how long a start that loads a checkpoint takes, and learning its quick start
         would kill every later restart during the load. A timeout the launcher left
         unenforced is never learned (a rank that sends heartbeats under section timeouts
-        must not start being judged by them), so naming one is harmless.
+        must not start being judged by them), so naming one is harmless. `require` names
+        timeouts some rank must have observed: else False if skip_if_not_ready, else
+        RankMonitorClientError (nvidia-resiliency-ext's calls learn only from enough data).
         """
         exclude = frozenset(exclude) | self._unenforced
         if self._link is None:
@@ -288,9 +298,12 @@ class RankMonitorClient:
         values += [observed.sections[n] for n in self._section_names]
         ready = any(v is not None for v in values[1:])
         reduced = _all_reduce_max([(-1.0 if v is None else v) for v in values] + [0.0 if ready else 1.0])
-        if skip_if_not_ready and reduced[-1] > 0:
-            return False
         names = ["initial_heartbeat", "heartbeat", "out_of_section", *self._section_names]
+        missing = [n for n, v in zip(names, reduced) if n in set(require) and v <= 0]
+        if skip_if_not_ready and (missing or reduced[-1] > 0):
+            return False
+        if missing:
+            raise RankMonitorClientError(f"not enough data to calculate the {', '.join(missing)} timeouts yet")
         learned = {n: (v if v > 0 and n not in exclude else None) for n, v in zip(names, reduced[:-1])}
         maxima = Timeouts(
             initial_heartbeat=learned["initial_heartbeat"],
@@ -315,6 +328,11 @@ class RankMonitorClient:
         return {"version": STATE_VERSION, "calculated_timeouts": self.calculated.to_json()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Our state_dict(), or nvidia-resiliency-ext's client state (its learned values)."""
+        if isinstance(state, dict) and NVRX_STATE_KEY in state:
+            state = state_from_nvrx(state, STATE_VERSION)
+        if state == {}:  # what a checkpoint without fault tolerance state gives (`.get(key, {})`)
+            return
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ConfigError(f"fault tolerance state: expected version {STATE_VERSION}, got {state!r:.200}")
         calculated = Timeouts.from_json(state.get("calculated_timeouts", {}), "calculated_timeouts")

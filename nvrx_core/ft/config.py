@@ -3,6 +3,10 @@
 Values are layered: dataclass defaults < the `fault_tolerance:` section of a YAML file
 (named by --ft-cfg-path or FAULT_TOL_CFG_PATH) < --ft-* command-line flags. The same
 names are accepted in YAML and on the command line, so a config moves between them as is.
+
+`FaultToleranceConfig` is this class under nvidia-resiliency-ext's name, with its
+constructors (from_kwargs, from_yaml_file, from_args) and to_yaml_file, so code and YAML
+files written for it load here unchanged (docs/migrating.md lists what differs).
 """
 
 import dataclasses
@@ -12,6 +16,7 @@ import signal
 from typing import Any, Dict, Mapping, Optional, Union
 
 from nvrx_core.config import ConfigError, build, check, load_yaml_section
+from nvrx_core.durable import atomic_write_bytes
 
 logger = logging.getLogger("nvrx.ft")
 
@@ -27,8 +32,11 @@ PEER_ONLY_FIELDS = frozenset(
         "enable_nic_monitor",
         "pci_topo_file",
         "link_down_path_template",
+        "skip_section_response",  # 0.5: ranks here never wait for the monitor's answer anyway
     }
 )
+# Fields nvidia-resiliency-ext 0.5 reads from its config that are launcher flags here.
+LAUNCHER_FLAG_FIELDS = {"use_infra_group_rank": "--ft-use-infra-group-rank"}
 
 
 def parse_signal(value: Union[str, int, signal.Signals], field: str) -> signal.Signals:
@@ -78,7 +86,8 @@ def parse_section_timeouts(value: Any, field: str = "rank_section_timeouts") -> 
 def parse_log_level(value: Union[str, int]) -> int:
     if isinstance(value, int):
         return value
-    level = logging.getLevelName(str(value).strip().upper())
+    name = str(value).strip().upper()
+    level = logging.getLevelName("DEBUG" if name == "DBG" else name)  # DBG: nvidia-resiliency-ext's spelling
     if not isinstance(level, int):
         raise ConfigError(f"log_level={value!r}: not a logging level name (DEBUG, INFO, WARNING, ...)")
     return level
@@ -138,7 +147,9 @@ class FTConfig:
         check(
             math.isfinite(self.safety_factor) and self.safety_factor >= 1.0,
             "safety_factor", self.safety_factor,
-            "must be >= 1 (below 1 the calculated timeouts would kill ranks running at their observed speed)",
+            "must be >= 1: below 1 the calculated timeouts would kill ranks running at their observed speed "
+            "(nvidia-resiliency-ext accepts it; to hold ranks to limits tighter than what they were seen to "
+            "take, set the timeouts themselves and do not calculate them)",
         )
         self.rank_termination_signal = parse_signal(self.rank_termination_signal, "rank_termination_signal")
         self.stack_dump_signal = parse_signal(self.stack_dump_signal, "stack_dump_signal")
@@ -180,9 +191,67 @@ class FTConfig:
             layers.append(_drop_peer_only(dict(overrides), "command line"))
         return build(cls, *layers, source=yaml_path or "FT config")
 
+    # ---- nvidia-resiliency-ext's constructors and writer, under its names -----------------
+    @classmethod
+    def from_kwargs(cls, ignore_not_recognized: bool = True, **kwargs) -> "FTConfig":
+        """Code written for nvidia-resiliency-ext builds its config this way. A name that is
+        no field is dropped with a warning (it silently drops it: a typo then costs a job its
+        intended timeouts), or refused naming it when ignore_not_recognized is False."""
+        values = _drop_peer_only(dict(kwargs), "FaultToleranceConfig.from_kwargs")
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(values.keys() - known)
+        if unknown and ignore_not_recognized:
+            logger.warning("FaultToleranceConfig.from_kwargs: %s not fault tolerance settings; ignored", unknown)
+            values = {k: v for k, v in values.items() if k in known}
+        return build(cls, values, source="FaultToleranceConfig.from_kwargs")
+
+    @classmethod
+    def from_yaml_file(cls, cfg_path: str, ignore_not_recognized: bool = True) -> "FTConfig":
+        """The file's `fault_tolerance:` section (top level or nested); ConfigError (a
+        ValueError, as nvidia-resiliency-ext raises) when there is none."""
+        return cls.from_kwargs(ignore_not_recognized, **load_yaml_section(cfg_path, YAML_SECTION))
+
+    @classmethod
+    def from_args(cls, args: Any) -> "FTConfig":
+        """From an argparse.Namespace as nvidia-resiliency-ext's launcher parses it: defaults <
+        the file named by `ft_cfg_path` (one without the section counts as absent) < each
+        `ft_<field>` attribute that is not None. With neither, the defaults (as in 0.5; 0.4
+        raised ValueError)."""
+        layers = []
+        path = getattr(args, "ft_cfg_path", None)
+        if path is not None:
+            try:
+                layers.append(load_yaml_section(path, YAML_SECTION))
+            except ConfigError as e:
+                if f"no '{YAML_SECTION}:' section" not in str(e):  # missing or malformed file: say so
+                    raise
+                logger.warning("%s; using defaults and --ft-* flags", e)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        names += sorted(PEER_ONLY_FIELDS)  # a launcher flag in the Namespace is the launcher's, not the config's
+        layers.append({n: getattr(args, f"ft_{n}") for n in names if getattr(args, f"ft_{n}", None) is not None})
+        layers = [_drop_peer_only(layer, path or "arguments") for layer in layers]
+        return build(cls, *layers, source=path or "FaultToleranceConfig.from_args")
+
+    def to_yaml_file(self, cfg_path: str) -> None:
+        """Write `fault_tolerance:` with every field (signals and the log level by name),
+        atomically: a launcher starting meanwhile reads the old file or the new one. The
+        fields nvidia-resiliency-ext lacks are ones it ignores when it reads the file."""
+        import yaml  # deferred: only writing a file needs it (PyYAML comes with omegaconf)
+
+        text = yaml.safe_dump({YAML_SECTION: self.to_json()}, sort_keys=False)
+        atomic_write_bytes(cfg_path, text.encode())
+
+
+FaultToleranceConfig = FTConfig
+"""nvidia-resiliency-ext's name for FTConfig (`from nvrx_core.ft import FaultToleranceConfig`)."""
+
 
 def _drop_peer_only(values: dict, source: str) -> dict:
     for name in PEER_ONLY_FIELDS & values.keys():
         logger.warning("%s: %s is a nvidia-resiliency-ext setting with no effect here; ignored", source, name)
+        values.pop(name)
+    for name in LAUNCHER_FLAG_FIELDS.keys() & values.keys():
+        logger.warning("%s: %s is not a config field here; ignored (pass ft_launcher %s instead)", source, name,
+                       LAUNCHER_FLAG_FIELDS[name])
         values.pop(name)
     return values
