@@ -11,9 +11,10 @@ subclass only hooks into its extension points:
   a record of which ranks died how and which ones torch's poll stopped because of that,
   terminal exit codes that must not be retried (preempted, straggler stop, rerun verdicts),
   and a limit on restart cycles that made no progress;
-- stopping workers waits --workers-stop-timeout, not torch's fixed 30 s;
+- stopping workers for a restart waits --workers-stop-timeout, not torch's fixed 30 s;
 - a stop signal from outside (the scheduler's preemption warning): forwarded to the workers
-  as torch does, then their exits say whether they saved (ft/stop_signal.py).
+  as torch does, given torch's shutdown_timeout (--shutdown-timeout / --term-timeout, by
+  default --workers-stop-timeout), then their exits say whether they saved (ft/stop_signal.py).
 """
 
 import dataclasses
@@ -114,8 +115,13 @@ class AgentStoreRendezvous(RendezvousHandler):
 
 
 class FaultTolerantAgent(LocalElasticAgent):
-    def __init__(self, *args, settings: AgentSettings, monitor: MonitorHandle, events: ev.EventLog, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, settings: AgentSettings, monitor: MonitorHandle, events: ev.EventLog,
+                 shutdown_timeout: Optional[float] = None, **kwargs):
+        if shutdown_timeout is None:
+            shutdown_timeout = settings.workers_stop_timeout
+        super().__init__(*args, shutdown_timeout=shutdown_timeout, **kwargs)
+        self.shutdown_timeout = shutdown_timeout
+        """The grace torch's run() gives the workers after a stop signal and at its end."""
         self.settings = settings
         self.monitor = monitor
         self.events = events
@@ -284,17 +290,21 @@ class FaultTolerantAgent(LocalElasticAgent):
     def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:
         self._shutdown(timeout=self.settings.workers_stop_timeout)
 
-    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> None:
-        """Stop the workers (torch: `death_sig`, --workers-stop-timeout, then SIGKILL), note their
-        exits if a stop signal asked for this, then kill everything they started (process_groups)."""
-        super()._shutdown(death_sig, self.settings.workers_stop_timeout)
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: Optional[float] = None) -> None:
+        """Stop the workers (torch: `death_sig`, `timeout` seconds, then SIGKILL), note their
+        exits if a stop signal asked for this, then kill everything they started (process_groups).
+
+        `timeout`: --workers-stop-timeout from _stop_workers (a restart); torch's run() passes
+        its shutdown_timeout for a stop signal and at its end."""
+        grace = self.shutdown_timeout if timeout is None else timeout
+        super()._shutdown(death_sig, grace)
         stop = self.signal_stop
         if stop is not None and stop.exit_codes is None:
             stop.exit_codes = self._exit_codes()
             self.events.emit(ev.LAUNCHER_SIGNALED, cycle=self.attempt, signal=stop.signal.name,
                              running_ranks=stop.running_ranks, preempted=stop.preempted,
                              exit_codes={str(rank): code for rank, code in stop.exit_codes.items()},
-                             grace_s=self.settings.workers_stop_timeout)
+                             grace_s=grace)
         kill_process_groups(self._worker_groups)
         self._worker_groups = set()
         self._hold_workers({})
@@ -310,7 +320,7 @@ class FaultTolerantAgent(LocalElasticAgent):
     def _stop_signal_received(self, sig: signal.Signals) -> None:
         running = sorted(rank for rank, h in self._worker_handles.items() if h is not None and not h.exited())
         self.signal_stop = SignalStop(sig, running)
-        grace = self.settings.workers_stop_timeout
+        grace = self.shutdown_timeout
         logger.warning("received %s: forwarding it to the running workers (ranks %s), which have %.0f s to exit "
                        "before SIGKILL; no restart follows", sig.name, running, grace)
         self.stop_signals.hold(grace)

@@ -3,7 +3,8 @@
 Accepts every torchrun flag (it extends torch's own argument parser) plus the flags that
 nvidia-resiliency-ext and NeMo-Run users already write: --ft-<field> in dash, underscore
 and legacy --ft-param- spellings, --ft-cfg-path, --ignore-missing-fault-tol-cfg,
---ft-restart-policy, --workers-stop-timeout. All configuration is checked before any worker
+--ft-restart-policy, --workers-stop-timeout, --term-timeout. Every torchrun option is forwarded
+as torch's own launcher forwards it (ft/torchrun_options.py says where each goes). All configuration is checked before any worker
 starts; a bad value ends the launcher with CONFIG_ERROR (2) and a message naming it.
 """
 
@@ -17,7 +18,6 @@ import sys
 import uuid
 from typing import List, Optional
 
-from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
@@ -35,6 +35,7 @@ from nvrx_core.ft import config_env
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
+from nvrx_core.ft import torchrun_options
 from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
                                      start_fork_server)
 from nvrx_core.proc import process_start_time
@@ -77,7 +78,9 @@ def build_parser():
                        metavar="BOOL", help="group ranks follow the scheduler's: $SLURM_PROCID, else $GROUP_RANK, "
                        "else --node-rank; a spare inherits the lost node's rank")
     group.add_argument("--workers-stop-timeout", "--workers_stop_timeout", type=float, default=15.0,
-                       help="seconds to wait for workers to exit after SIGTERM before SIGKILL")
+                       help="seconds to wait for workers to exit after SIGTERM before SIGKILL (also the "
+                       "grace after a forwarded stop signal, unless --term-timeout / --shutdown-timeout)")
+    torchrun_options.add_arguments(group)
     group.add_argument("--max-no-progress-restarts", "--max_no_progress_restarts", type=int, default=3,
                        help="give up (exit %d) after this many consecutive restart cycles without progress; 0: never"
                        % ExitCode.NO_PROGRESS)
@@ -188,11 +191,18 @@ def check_args(args) -> AgentSettings:
             raise ConfigError(f"--warm-start-preload: module {module!r} is not installed")
     if not (args.no_python or args.module or os.path.exists(args.training_script)):
         raise ConfigError(f"training script {args.training_script!r} does not exist")
+    torchrun_options.check_options(args, warm_start=warm_start_wanted(args))
     return AgentSettings(
         workers_stop_timeout=args.workers_stop_timeout,
         max_no_progress_restarts=args.max_no_progress_restarts,
         health_checks=[load_health_check(s) for s in args.health_check],
     )
+
+
+def warm_start_wanted(args) -> bool:
+    """Workers forked from the fork server: a script run through `python` (not --no-python,
+    not --run-path's function in the agent itself), unless --no-warm-start."""
+    return args.warm_start and not args.no_python and not args.run_path
 
 
 def infra_group_rank(args) -> int:
@@ -247,14 +257,15 @@ def enable_flight_recorder(environ) -> None:
 
 def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog) -> int:
     config, entrypoint, entrypoint_args = config_from_args(args)
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    torchrun_options.prepare_launcher(config)
     # The workers never use the rendezvous's TCPStore (each round gets the agent's fresh
     # store), so torch's c10d handler must not share it either: its sharing path publishes
     # the master address only in the first round in which a node is rank 0, and a node that
     # joins later (--nnodes 1:2) then waits for that key until the store times out.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[torchrun_options.LAUNCHER_PID_ENV] = str(os.getpid())
     enable_flight_recorder(os.environ)
-    warm = args.warm_start and isinstance(entrypoint, str) and not args.no_python
+    warm = warm_start_wanted(args) and isinstance(entrypoint, str)
     if warm:
         kind, target_args = split_python_command(entrypoint_args)
         entrypoint, entrypoint_args = run_target, [kind, *target_args]  # the environment goes first, below
@@ -262,11 +273,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     if warm:
         extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
         start_fork_server([*PRELOAD, *extra])  # a no-op when ft_launcher's command started it already
-    params = RendezvousParameters(
-        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr,
-        **config.rdzv_configs,
-    )
+    params = torchrun_options.rendezvous_parameters(config)
     master_addr = master_port = None
     if config.rdzv_backend == "static":
         master_addr, master_port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
@@ -275,27 +282,25 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     if isinstance(inner, barrier.BarrierRendezvousHandler):
         inner.events = events
     handler = AgentStoreRendezvous(inner)
-    spec = WorkerSpec(
-        role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
-        args=tuple(entrypoint_args), rdzv_handler=handler, max_restarts=config.max_restarts,
-        monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
-        local_addr=config.local_addr,
-    )
+    spec = torchrun_options.worker_spec(config, entrypoint=entrypoint, args=tuple(entrypoint_args),
+                                        rdzv_handler=handler, master_addr=master_addr, master_port=master_port)
     monitor = MonitorHandle(ft_cfg, events.path)
     os.environ[MONITOR_SOCKET_ENV] = monitor.socket_path
     if events.path:
         os.environ[ev.EVENTS_FILE_ENV] = events.path
     if warm:  # what the environment gained since the fork server started reaches every worker
         spec.args = (json.dumps(environment_since_server_start()), *spec.args)
-    agent = FaultTolerantAgent(
-        spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        settings=settings, monitor=monitor, events=events,
-    )
+    agent = FaultTolerantAgent(spec=spec, **torchrun_options.agent_options(config),
+                               settings=settings, monitor=monitor, events=events)
     shutdown_rdzv = True
     try:
         agent.stop_signals.arm()  # before the first rendezvous: a hot spare waits there
-        result = agent.run()
+        try:
+            result = agent.run()
+        except Exception:
+            torchrun_options.record_outcome(agent, config, succeeded=False)
+            raise
+        torchrun_options.record_outcome(agent, config, succeeded=True)  # the run, not the workers, succeeded
         if result is None:  # rendezvous closed gracefully by another node
             return ExitCode.SUCCESS
         if not result.is_failed():
