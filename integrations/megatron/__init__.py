@@ -2,8 +2,9 @@
 
 Megatron-Bridge-compatible resiliency for nvrx-suite: Bridge's four configs, with Bridge's
 names, field order and defaults, so a Bridge-style loop ports by changing its imports. The
-loop hooks come with the issues that build them; the mechanisms live in nvrx_core, and these
-configs only check values and translate them onto the core's configs.
+hooks that take a config (fault_tolerance, nvrx_straggler, inprocess_restart,
+rerun_state_machine) read any Bridge-shaped object by field name through `convert`, so
+Bridge's own config objects work as well; the mechanisms live in nvrx_core.
 """
 
 from nvrx_megatron.config import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,

@@ -229,5 +229,5 @@ def rerun_config(config: Any, **overrides: Any) -> RerunConfig:
         return build(RerunConfig, values, overrides, source="overrides")
 
 
-__all__ = ["bridge_field", "bridge_fields", "check_fault_tolerance", "inprocess_config", "rerun_config", "simulated_fault",
-           "straggler_config"]
+__all__ = ["bridge_field", "bridge_fields", "check_fault_tolerance", "inprocess_config", "rerun_config",
+           "simulated_fault", "straggler_config"]
