@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import time
 from types import SimpleNamespace
 
@@ -159,7 +160,7 @@ def free_port() -> int:
 def clean_env(**extra) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     for name in ("FAULT_TOL_FINISHED_FLAG_FILE", "NVRX_EVENTS_FILE", "TORCHELASTIC_HEALTH_CHECK_PORT",
-                 opts.SHUTDOWN_TIMEOUT_ENV, opts.LAUNCHER_PID_ENV, "CUDA_VISIBLE_DEVICES"):
+                 opts.SHUTDOWN_TIMEOUT_ENV, opts.LAUNCHER_PID_ENV, "CUDA_VISIBLE_DEVICES", "PYTHON_EXEC"):
         env.pop(name, None)
     env.update(extra)
     return env
@@ -314,23 +315,41 @@ def test_a_forwarded_stop_signal_gives_the_workers_the_shutdown_grace_then_kills
         assert report["env"]["LOCAL_RANK"] == report["env"]["RANK"]  # no --virtual-local-rank here
 
 
-def test_numa_binding_where_it_cannot_bind_fails_before_any_worker_as_under_torchrun(tmp_path):
-    can_bind = torch.cuda.is_available() and shutil.which("numactl") is not None
-    results = {}
-    for name, argv in (("ours", ["-m", "nvrx_core.ft.command"]), ("torchrun", ["-m", "torch.distributed.run"])):
-        out = str(tmp_path / name)
-        os.mkdir(out)
-        proc = start([*argv, "--nproc-per-node", "1", "--numa-binding", "node", JOB, "--out", out], out, clean_env())
-        results[name] = (finish(proc, out), reports(out), output(out))
-    if can_bind:  # both bind; the worker runs on the same CPUs
-        assert results["ours"][0] == results["torchrun"][0] == 0
-        assert results["ours"][1][0]["cpus"] == results["torchrun"][1][0]["cpus"]
+def test_numa_binding_where_it_cannot_bind_fails_before_any_worker_as_under_torchrun(tmp_path, capsys, monkeypatch):
+    flags = ["--nproc-per-node", "1", "--numa-binding", "node"]
+    out = str(tmp_path / "torchrun")
+    os.mkdir(out)
+    proc = start(["-m", "torch.distributed.run", *flags, JOB, "--out", out], out, clean_env())
+    code, got, text = finish(proc, out), reports(out), output(out)
+    if torch.cuda.is_available() and shutil.which("numactl"):  # both bind: the worker runs on the same CPUs
+        assert code == 0, text[-3000:]
+        ours = str(tmp_path / "ours")
+        os.mkdir(ours)
+        proc = start(["-m", "nvrx_core.ft.command", *flags, JOB, "--out", ours], ours, clean_env())
+        assert finish(proc, ours) == 0, output(ours)[-3000:]
+        assert reports(ours)[0]["cpus"] == got[0]["cpus"]
         return
-    code, got, text = results["torchrun"]
     assert code != 0 and got == {} and "Failed to apply NUMA binding" in text  # torchrun: at the first start
-    code, got, text = results["ours"]
-    assert code == ExitCode.CONFIG_ERROR and got == {}, text[-3000:]
-    assert "--numa-binding=node" in text and "numactl" in text
+    # ft_launcher: before anything starts (its main, in this process: it starts nothing)
+    monkeypatch.delenv("FAULT_TOL_FINISHED_FLAG_FILE", raising=False)
+    ours = str(tmp_path / "ours")
+    os.mkdir(ours)
+    assert launcher.main([*flags, JOB, "--out", ours]) == ExitCode.CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "--numa-binding=node" in err and "numactl" in err and reports(ours) == {}
+
+
+def test_python_exec_names_the_workers_interpreter_so_they_start_cold(tmp_path):
+    """torchrun runs the script with $PYTHON_EXEC; a warm start would fork the launcher's own."""
+    interpreter = tmp_path / "python-wrapper"
+    interpreter.write_text(f'#!/bin/sh\nexport VIA_PYTHON_EXEC=1\nexec {sys.executable} "$@"\n')
+    interpreter.chmod(0o755)
+    out = str(tmp_path)
+    proc = start(["-m", "nvrx_core.ft.command", "--nproc-per-node", "1", JOB, "--out", out, "--env", "VIA_PYTHON_EXEC"],
+                 out, clean_env(PYTHON_EXEC=str(interpreter)))
+    assert finish(proc, out) == 0, output(out)[-3000:]
+    [report] = reports(out).values()
+    assert report["env"]["VIA_PYTHON_EXEC"] == "1" and report["ppid"] == proc.pid
 
 
 # ---- refused before anything starts -------------------------------------------------------------

@@ -203,25 +203,25 @@ class RankMonitorClient(NVRxClientNames):
             self._last_heartbeat = now
             link.send(_HEARTBEAT)
 
-    def start_section(self, name: str) -> None:
+    def start_section(self, section: str) -> None:
         link = self._link
         if link is None:
             return
-        msg = self._section_msg(name)[0]
+        msg = self._section_msg(section)[0]
         with self._lock:
             self._sections_used = True
-            self._observer.on_section_start(name, self._clock())
+            self._observer.on_section_start(section, self._clock())
             link.send(msg)
 
-    def end_section(self, name: str) -> None:
+    def end_section(self, section: str) -> None:
         link = self._link
         if link is None:
             return
-        msg = self._section_msg(name)[1]
+        msg = self._section_msg(section)[1]
         with self._lock:
             now = self._clock()
-            was_open = name in self._observer.open_sections
-            self._observer.on_section_end(name, now)
+            was_open = section in self._observer.open_sections
+            self._observer.on_section_end(section, now)
             if was_open:
                 self._section_ends += 1
                 if not self._observer.open_sections:

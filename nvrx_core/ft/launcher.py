@@ -36,8 +36,8 @@ from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 from nvrx_core.ft import torchrun_options
-from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, run_target, split_python_command,
-                                     start_fork_server)
+from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, foreign_interpreter, run_target,
+                                     split_python_command, start_fork_server)
 from nvrx_core.proc import process_start_time
 from nvrx_core.torch_compat import FLIGHT_RECORDER_BUFFER_ENV, torchrun_cli
 
@@ -191,6 +191,9 @@ def check_args(args) -> AgentSettings:
             raise ConfigError(f"--warm-start-preload: module {module!r} is not installed")
     if not (args.no_python or args.module or os.path.exists(args.training_script)):
         raise ConfigError(f"training script {args.training_script!r} does not exist")
+    if args.warm_start and foreign_interpreter() is not None:
+        logger.warning("$PYTHON_EXEC=%s is not the launcher's interpreter (%s): the workers start as new "
+                       "processes of it, as under --no-warm-start", foreign_interpreter(), sys.executable)
     torchrun_options.check_options(args, warm_start=warm_start_wanted(args))
     return AgentSettings(
         workers_stop_timeout=args.workers_stop_timeout,
@@ -201,8 +204,9 @@ def check_args(args) -> AgentSettings:
 
 def warm_start_wanted(args) -> bool:
     """Workers forked from the fork server: a script run through `python` (not --no-python,
-    not --run-path's function in the agent itself), unless --no-warm-start."""
-    return args.warm_start and not args.no_python and not args.run_path
+    not --run-path's function in the agent itself, not another interpreter named by
+    $PYTHON_EXEC), unless --no-warm-start."""
+    return args.warm_start and not args.no_python and not args.run_path and foreign_interpreter() is None
 
 
 def infra_group_rank(args) -> int:

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -22,6 +23,9 @@ from nvrx_core.signals import STOP_REQUEST_SIGNALS
 # fork_server_signals first: the server ignores a job-wide stop signal from then on (its docstring).
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
 PRELOAD = ("nvrx_core.ft.fork_server_signals", "torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
+
+PYTHON_EXEC_ENV = "PYTHON_EXEC"
+"""torchrun's choice of interpreter for the script (default: its own)."""
 
 _KEPT_UNTIL_EXIT: list = []
 """The finished script's globals (its DDP model, optimizer, process groups). Freed in the main
@@ -64,6 +68,8 @@ def early_preload(argv: Sequence[str]) -> Optional[List[str]]:
     """The fork server's preload list for this command line; None where it wants no warm start."""
     if any(a in ("--no-warm-start", "--no-python", "--no_python", "-h", "--help") for a in argv):
         return None
+    if foreign_interpreter() is not None:
+        return None
     extra: List[str] = []
     for i, arg in enumerate(argv):
         if arg == "--warm-start-preload" and i + 1 < len(argv):
@@ -71,6 +77,22 @@ def early_preload(argv: Sequence[str]) -> Optional[List[str]]:
         elif arg.startswith("--warm-start-preload="):
             extra = arg.split("=", 1)[1].split(",")
     return [*PRELOAD, *(m.strip() for m in extra if m.strip())]
+
+
+def foreign_interpreter(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """torchrun's $PYTHON_EXEC, when it names an interpreter other than the launcher's own.
+
+    torchrun runs the script with that interpreter; a warm-started worker is a fork of the
+    launcher's interpreter and could not honour it, so such a job starts cold. Paths are
+    compared as written, not resolved: a venv's python links to its base interpreter, which
+    would run the script without the venv's packages."""
+    named = environ.get(PYTHON_EXEC_ENV)
+    if not named:
+        return None
+    found = shutil.which(named) or named
+    if os.path.normpath(os.path.abspath(found)) == os.path.normpath(os.path.abspath(sys.executable)):
+        return None
+    return named
 
 
 def environment_since_server_start() -> Dict[str, List[Optional[str]]]:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--hold", action="store_true")
+p.add_argument("--env", action="append", default=[], help="another variable to report")
 args = p.parse_args()
 
 
@@ -47,7 +48,7 @@ report = {
     "health": health_answer(),
     "cpus": sorted(os.sched_getaffinity(0)),
     "env": {name: os.environ.get(name) for name in (
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "NVRX_LAUNCHER_PID")},
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "NVRX_LAUNCHER_PID", *args.env)},
 }
 print(f"rank {rank} apple on stdout", flush=True)
 print(f"rank {rank} plain on stdout", flush=True)
