@@ -3,9 +3,10 @@
 Accepts every torchrun flag (it extends torch's own argument parser) plus the flags that
 nvidia-resiliency-ext and NeMo-Run users already write: --ft-<field> in dash, underscore
 and legacy --ft-param- spellings, --ft-cfg-path, --ignore-missing-fault-tol-cfg,
---ft-restart-policy, --workers-stop-timeout, --term-timeout. Every torchrun option is forwarded
-as torch's own launcher forwards it (ft/torchrun_options.py says where each goes). All configuration is checked before any worker
-starts; a bad value ends the launcher with CONFIG_ERROR (2) and a message naming it.
+--ft-restart-policy, --workers-stop-timeout, --term-timeout. Every torchrun option reaches
+torch's agent as torchrun passes it (ft/torchrun_options.py says where each goes). All
+configuration is checked before any worker starts; a bad value ends the launcher with
+CONFIG_ERROR (2) and a message naming it.
 """
 
 import dataclasses
