@@ -216,6 +216,27 @@ def test_bad_fault_tolerance_fields_are_named(fields, message):
         FaultTolerancePlugin(**fields)
 
 
+def test_the_config_plugins_take_a_bridge_shaped_config_that_is_not_ours(tmp_path):
+    """Bridge's own NVRxStragglerDetectionConfig / InProcessRestartConfig cannot be imported here:
+    a namespace with Bridge's field names stands in; the user's object is left as it was."""
+    from types import SimpleNamespace
+
+    bridge = SimpleNamespace(enabled=False, report_time_interval=7.0, stop_if_detected=True)
+    plugin = StragglerDetectionPlugin(config=bridge)
+    assert isinstance(plugin.config, NVRxStragglerDetectionConfig) and plugin.config.enabled
+    assert (plugin.config.report_time_interval, plugin.config.stop_if_detected) == (7.0, True)
+    assert bridge.enabled is False
+    task = _script()
+    plugin.setup(task, _executor(tmp_path))
+    assert "nvrx_straggler.report_time_interval=7.0" in task.args and "nvrx_straggler.enabled=true" in task.args
+    inprocess = InProcessRestartPlugin(config=SimpleNamespace(enabled=False, granularity="rank"))
+    assert (inprocess.config.enabled, inprocess.config.granularity) == (True, "rank")
+    with pytest.raises(ConfigError, match="StragglerDetectionPlugin.config: .*got list"):
+        StragglerDetectionPlugin(config=[7.0])
+    with pytest.raises(ConfigError, match="report_time_interval must be positive"):
+        StragglerDetectionPlugin(config=SimpleNamespace(report_time_interval=-1.0))
+
+
 def test_bad_preemption_fields_are_named():
     with pytest.raises(ConfigError, match="preempt_time=0"):
         PreemptionPlugin(preempt_time=0)

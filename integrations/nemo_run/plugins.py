@@ -14,7 +14,7 @@ import logging
 import signal
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from nvrx_core.config import check
+from nvrx_core.config import ConfigError, check
 from nvrx_nemo_run import executor as ex
 from nvrx_nemo_run import script_args as sa
 from nvrx_nemo_run._compat import Plugin, require_nemo_run
@@ -196,12 +196,18 @@ class _ConfigPlugin(Plugin):
     script_args_converter_fn: Optional[Callable[[Any], List[str]]] = None
 
     def __post_init__(self) -> None:
+        """Take any object with Bridge's fields (Bridge's own class, ours, a namespace), read by
+        name as nvrx_megatron's hooks read it; the plugin keeps its own switched-on copy."""
         import nvrx_megatron
+        from nvrx_megatron.convert import bridge_fields
 
-        cls = getattr(nvrx_megatron, self.CONFIG)
-        check(self.config is None or isinstance(self.config, cls), f"{type(self).__name__}.config", self.config,
-              f"must be an nvrx_megatron.{self.CONFIG} or None")
-        self.config = dataclasses.replace(self.config or cls(), enabled=True)
+        fields = {}
+        if self.config is not None:
+            try:
+                fields = bridge_fields(self.config, self.CONFIG)
+            except TypeError as e:
+                raise ConfigError(f"{type(self).__name__}.config: {e}") from None
+        self.config = getattr(nvrx_megatron, self.CONFIG)(**{**fields, "enabled": True})
 
     def lightning_callback(self, run: Any) -> Any:
         raise ValueError(f"{type(self).__name__}: a Lightning task cannot take it; the executor was left unchanged")
@@ -225,7 +231,7 @@ class _ConfigPlugin(Plugin):
 class StragglerDetectionPlugin(_ConfigPlugin):
     """Name the rank that slows everyone down (and stop, with `stop_if_detected`).
 
-    `config`: an nvrx_megatron.NVRxStragglerDetectionConfig (None: Bridge's defaults), switched
+    `config`: an NVRxStragglerDetectionConfig, Bridge's or nvrx_megatron's (None: Bridge's defaults), switched
     on: set as `cfg.nvrx_straggler` of a Megatron-style task, passed as `nvrx_straggler.*`
     overrides to a Script, or as NVRxStragglerDetection's arguments to a Lightning trainer.
     """
@@ -251,7 +257,7 @@ class StragglerDetectionPlugin(_ConfigPlugin):
 class InProcessRestartPlugin(_ConfigPlugin):
     """Restart a failed iteration inside the running processes (no process restart).
 
-    `config`: an nvrx_megatron.InProcessRestartConfig (None: Bridge's defaults), switched on, as
+    `config`: an InProcessRestartConfig, Bridge's or nvrx_megatron's (None: Bridge's defaults), switched on, as
     `cfg.inprocess_restart` of a Megatron-style task or `inprocess_restart.*` overrides of a
     Script. A Lightning task is refused: nvrx_lightning has no in-process restart.
     """
