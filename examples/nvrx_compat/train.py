@@ -137,6 +137,8 @@ def main():
             if saves > 0:                           # every rank here, the same step: a collective is safe
                 try:
                     client.calculate_and_set_hb_timeouts()
+                    # 'checkpointing' keeps its configured timeout: this save takes milliseconds, and 50 x that
+                    # (nvidia-resiliency-ext has no floor) would kill a save on a loaded machine
                     client.calculate_and_set_section_timeouts(selected_sections=["step"],
                                                               calc_out_of_section=False)
                 except RankMonitorClientError as e:
