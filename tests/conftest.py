@@ -18,6 +18,7 @@ SLOWEST_FILES_FIRST = (
     "test_ft_launcher.py",               # 154
     "test_multinode.py",                 # 122 (paced to outlast spares' startup under load)
     "test_megatron_trainer.py",          # 93
+    "test_ft_torchrun_parity.py",        # ~70 (three combined runs: ours warm, cold, torchrun)
     "test_nemo_run_jobs.py",             # 69
     "test_lightning_ft.py",              # 68
     "test_ft_safety_net.py",             # 53

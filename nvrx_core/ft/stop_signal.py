@@ -4,7 +4,7 @@ Slurm's preemption or time-limit warning (`sbatch --signal=TERM@60`) sends SIGTE
 process of the job step at once: ft_launcher, its node monitor and fork server, every worker.
 torch's agent turns the signals it handles (torchrun's --signals-to-handle) into an exception,
 forwards the signal to the workers still running and SIGKILLs what is left after a grace
-(--workers-stop-timeout here). A worker with a preemption handler (nvrx_core.preemption)
+(--term-timeout / --shutdown-timeout, by default --workers-stop-timeout, here). A worker with a preemption handler (nvrx_core.preemption)
 saves and exits PREEMPTED, and the launcher then ends PREEMPTED too: the job was preempted,
 not failed, so the scheduler requeues it ($NVRX_PREEMPTED_EXIT_CODE maps it where a template
 wants another code). Workers that did not handle it keep torchrun's answer: 128 + the signal.
