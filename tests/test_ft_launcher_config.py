@@ -23,6 +23,21 @@ def test_every_flag_nemo_run_writes_is_accepted():
     assert build_parser().parse_args(["--ignore-missing-fault-tol-cfg", "train.py"]).ignore_missing_fault_tol_cfg
 
 
+# nvidia-resiliency-ext 0.4.1's spellings of its node-level options (its launcher's own argparse).
+NVRX_NODE_FLAGS = ["--ft-param-enable-nic-monitor", "--ft_param_enable_nic_monitor", "--ft-param-pci-topo-file",
+                   "--ft_param_pci_topo_file", "--ft-param-link-down-path-template",
+                   "--ft_param_link_down_path_template"]
+
+
+@pytest.mark.parametrize("flag", NVRX_NODE_FLAGS)
+def test_nvidia_resiliency_exts_node_flags_are_accepted_and_have_no_effect(flag, caplog):
+    args = build_parser().parse_args([flag, "x", "--ft_param_rank_heartbeat_timeout", "7", "train.py"])
+    with caplog.at_level("WARNING"):
+        cfg = load_ft_config(args)
+    assert cfg.rank_heartbeat_timeout == 7
+    assert flag.split("param", 1)[1].strip("-_").replace("-", "_") in caplog.text  # named as having no effect
+
+
 def test_a_missing_file_named_by_the_environment_only_warns(tmp_path, monkeypatch, caplog):
     """NeMo-Run's Slurm template exports FAULT_TOL_CFG_PATH whether or not the file was written."""
     missing = str(tmp_path / "never_written.yml")

@@ -65,7 +65,8 @@ def build_parser():
     group.add_argument("--ignore-missing-fault-tol-cfg", action="store_true",
                        help="if the config file named does not exist, use defaults instead of failing")
     for name in _ft_fields():
-        spellings = {f"--ft-{name.replace('_', '-')}", f"--ft-{name}", f"--ft-param-{name}"}
+        dashed = name.replace("_", "-")
+        spellings = {f"--ft-{dashed}", f"--ft-{name}", f"--ft-param-{name}", f"--ft-param-{dashed}", f"--ft_param_{name}"}
         group.add_argument(*sorted(spellings), dest=f"ft_{name}", default=None, metavar="VALUE",
                            help=_ft_flag_help(name))
     group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
