@@ -58,6 +58,7 @@ MONITOR_RESTARTED = "monitor_restarted"  # ft_launcher restarted a node monitor 
 NODE_LOST = "node_lost"  # a node's agent stopped its rendezvous heartbeat; its slot is free
 SPARE_WAITING = "spare_waiting"  # a node found the round full and waits as a hot spare
 SPARE_ACTIVATED = "spare_activated"  # a spare took the slot (group rank) of a lost node
+WORKLOAD_REQUEST = "workload_request"  # a rank asked the launcher to stop the job or leave it at the next failure
 
 
 def new_launcher_id() -> str:

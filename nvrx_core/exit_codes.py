@@ -44,6 +44,14 @@ class ExitCode(enum.IntEnum):
     """ft_launcher's node monitor kept dying (restarted too often in a short time): the job is
     stopped rather than left to train with no hang detection."""
 
+    WORKLOAD_SHUTDOWN = 24
+    """A rank asked to end the job (nvidia-resiliency-ext's ShutdownWorkload) and then it
+    failed: no restart, and the rendezvous is closed, so every node ends."""
+
+    NODE_EXCLUDED = 25
+    """A rank asked to take its node out (ExcludeThisNode) and then it failed: this node's
+    launcher leaves the job; the other nodes go on without it (a hot spare takes its place)."""
+
 
 PREEMPTED_EXIT_CODE_ENV = "NVRX_PREEMPTED_EXIT_CODE"
 """When set, ft_launcher ends a preempted job (PREEMPTED) with this code instead: the one

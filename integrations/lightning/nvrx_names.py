@@ -79,10 +79,10 @@ class FaultToleranceCallback(NVRxFaultTolerance):
 class FaultToleranceSectionsCallback(FaultToleranceCallback):
     """nvidia-resiliency-ext's section-based callback. `exc_handling_policy(exception)` is
     called on the rank whose fit raised, before the rank leaves the monitor, and returns a
-    WorkloadControlRequest: ShutdownWorkload writes the finished flag (so ft_launcher, started
-    again by a scheduler, exits 0 at once), as the peer does. ft_launcher itself does not act
-    on ShutdownWorkload or ExcludeThisNode yet: it restarts the job as after any failure,
-    and the callback logs that at ERROR, naming the request."""
+    WorkloadControlRequest, sent to ft_launcher, which acts on it at the failure that follows:
+    ShutdownWorkload ends the job on every node (exit 24) and also writes the finished flag (so
+    ft_launcher, started again by a scheduler, exits 0 at once), as the peer does;
+    ExcludeThisNode takes this node out of the job (exit 25), the others go on."""
 
     def __init__(self, autoresume: bool, calculate_timeouts: bool,
                  simulated_fault_params: Union[SimulatedFaultParams, dict, None] = None,

@@ -53,11 +53,13 @@ HealthCheck = Callable[[], Tuple[bool, str]]
 
 
 class LauncherStop(Exception):
-    """The launcher must stop now with `exit_code` (no further restart)."""
+    """The launcher must stop now with `exit_code` (no further restart). `close_rendezvous`:
+    the other nodes end too (False: they go on without this one)."""
 
-    def __init__(self, exit_code: int, reason: str):
+    def __init__(self, exit_code: int, reason: str, close_rendezvous: bool = True):
         super().__init__(reason)
         self.exit_code = exit_code
+        self.close_rendezvous = close_rendezvous
 
 
 @dataclasses.dataclass
@@ -256,22 +258,40 @@ class FaultTolerantAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        self._check_progress()
+        stats = self._cycle_stats()
+        if stats is not None:
+            self._act_on_workload_requests(stats)
+            self._check_progress(stats)
         self.attempt += 1
         self.events.emit(ev.RESTART_BEGUN, cycle=self.attempt,
                          remaining_restarts=restarts_left(self), failed_ranks=sorted(self.last_failures))
         super()._restart_workers(worker_group)
 
-    def _check_progress(self) -> None:
-        """Count consecutive cycles that got no further than before; stop at the limit."""
-        limit = self.settings.max_no_progress_restarts
+    def _cycle_stats(self) -> Optional[dict]:
+        """What the node monitor saw of the failed cycle (None: it could not say)."""
         try:
-            stats = self.monitor.cycle_stats()
+            return self.monitor.cycle_stats()
         except MonitorLost as e:
             raise LauncherStop(ExitCode.MONITOR_LOST, str(e)) from None
         except OSError as e:
             logger.warning("could not read progress from the node monitor: %s", e)
-            return
+            return None
+
+    def _act_on_workload_requests(self, stats: dict) -> None:
+        """A rank's request (nvidia-resiliency-ext's WorkloadControlRequest), acted on at the
+        failure that follows it, as the peer does at its next rendezvous: ShutdownWorkload ends
+        the job on every node (the rendezvous closes), ExcludeThisNode takes this node out."""
+        asked = stats.get("workload_requests") or {}
+        for action, code, close in (("ShutdownWorkload", ExitCode.WORKLOAD_SHUTDOWN, True),
+                                    ("ExcludeThisNode", ExitCode.NODE_EXCLUDED, False)):
+            ranks = sorted(int(rank) for rank, wanted in asked.items() if wanted == action)
+            if ranks:
+                raise LauncherStop(code, f"rank(s) {ranks} asked for {action}: no restart"
+                                   + ("" if close else "; this node leaves the job"), close_rendezvous=close)
+
+    def _check_progress(self, stats: dict) -> None:
+        """Count consecutive cycles that got no further than before; stop at the limit."""
+        limit = self.settings.max_no_progress_restarts
         iteration = stats.get("max_iteration")
         if self._best_iteration is not None or iteration is not None:
             progressed = iteration is not None and (self._best_iteration is None or iteration > self._best_iteration)

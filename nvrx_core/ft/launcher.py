@@ -318,6 +318,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
         return ExitCode.RESTARTS_EXHAUSTED if config.max_restarts > 0 else ExitCode.FAILURE
     except LauncherStop as stop:
         logger.error("%s", stop)
+        shutdown_rdzv = stop.close_rendezvous
         return stop.exit_code
     except RendezvousConflictError as e:
         logger.error("the rendezvous refused this node: %s", e)

@@ -37,7 +37,7 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.kills import Killer, Scheduler, SendSignal, signal_by_handle
 from nvrx_core.ft.hang_evidence import HangEvidence
 from nvrx_core.ft.monitor_io import Conn, dump_size, peer_credentials, read_stacks, remove, report_stacks, stack_file
-from nvrx_core.ft.protocol import ProtocolError, encode
+from nvrx_core.ft.protocol import WORKLOAD_ACTIONS, ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
 from nvrx_core.proc import ProcessHandle
@@ -280,6 +280,12 @@ class NodeMonitor:
                 self._progressed(w, kind)
         elif kind == "collectives":
             self._evidence.answered(w, msg)
+        elif kind == "wc":
+            if msg["action"] not in WORKLOAD_ACTIONS:
+                raise ProtocolError(f"wc: action {msg['action']!r:.60} is not one of {', '.join(WORKLOAD_ACTIONS)}")
+            w.workload_request = msg["action"]
+            self.events.emit(ev.WORKLOAD_REQUEST, rank=w.rank, cycle=w.cycle, action=msg["action"],
+                             reason=str(msg.get("reason", ""))[:500])
         elif kind == "bye":
             self._drop(conn, clean=True)
         else:
@@ -345,6 +351,7 @@ class NodeMonitor:
             "heartbeats": sum(w.heartbeats for w in self._cycle_watches),
             "section_ends": sum(w.section_ends for w in self._cycle_watches),
             "max_iteration": max(iterations) if iterations else None,
+            "workload_requests": {str(w.rank): w.workload_request for w in self._cycle_watches if w.workload_request},
         }
 
     # ---- enforcement -----------------------------------------------------------

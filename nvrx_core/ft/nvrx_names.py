@@ -16,6 +16,7 @@ import logging
 from typing import Any, Collection, Dict, Mapping, Optional, Set
 
 from nvrx_core.config import ConfigError, check
+from nvrx_core.ft.protocol import encode
 
 logger = logging.getLogger("nvrx.ft.client")
 
@@ -35,8 +36,8 @@ class MonitorUnreachable(RankMonitorClientError, ConnectionError):
 
 
 class WorkloadControlUnavailable(RankMonitorClientError, RuntimeError):
-    """A workload control request this ft_launcher does not act on (NVRx raises RuntimeError
-    when its launcher cannot be reached: a caller may catch either)."""
+    """A workload control request that cannot reach ft_launcher (NVRx raises RuntimeError when
+    its launcher cannot be reached: a caller may catch either)."""
 
 
 @dataclasses.dataclass
@@ -152,15 +153,19 @@ class NVRxClientNames:
         return self.calculate_and_set_timeouts(skip_if_not_ready, exclude=exclude, require=asked)
 
     def send_workload_control_request(self, req: WorkloadControlRequest) -> None:
-        """`Continue` is what ft_launcher does anyway. It does not act on ExcludeThisNode or
-        ShutdownWorkload (yet): rather than let a job believe it stopped, this raises."""
+        """Ask ft_launcher what to do at the next failure instead of restarting: end the job
+        on every node (ShutdownWorkload, exit 24) or take this node out (ExcludeThisNode, exit
+        25). `Continue` is what it does anyway. The node monitor passes the request on when the
+        launcher asks how the failed cycle went (ft/agent.py)."""
         check(isinstance(req, WorkloadControlRequest), "req", req, "must be a WorkloadControlRequest")
         if req.action is WorkloadAction.Continue:
             return
-        raise WorkloadControlUnavailable(
-            f"{req!r}: ft_launcher does not act on {req.action.name} requests; the job is restarted as after "
-            "any failure (up to --max-restarts). To end a job for good, write the finished flag "
-            "(nvrx_core.ft.write_finished_flag): ft_launcher started again then exits 0 at once.")
+        link = self._link
+        if link is None:
+            raise WorkloadControlUnavailable(f"{req!r}: this rank is not connected to ft_launcher's node monitor "
+                                             "(init_workload_monitoring first, under ft_launcher)")
+        with self._lock:
+            link.send(encode("wc", action=req.action.name, reason=str(req.description)[:500]))
 
     def _warn_left_off(self, names: Collection[str]) -> None:
         """NVRx switches on a timeout configured null when it learns one; here learning never

@@ -41,6 +41,10 @@ class ProtocolError(ValueError):
 
 _NUMBER = (int, float)
 
+WORKLOAD_ACTIONS = ("ExcludeThisNode", "ShutdownWorkload")
+"""What a rank may ask the launcher to do at the next failure instead of restarting ("wc"):
+leave the job with this node, or end it on every node (nvidia-resiliency-ext's names)."""
+
 # type -> {field: allowed type(s)}; required fields only (a handler checks optional ones)
 _SCHEMA = {
     "init": {"rank": int, "local_rank": int, "pid": int, "cycle": int},
@@ -53,6 +57,7 @@ _SCHEMA = {
     "state": {"since_init": _NUMBER, "heartbeats": int, "section_ends": int, "open": dict},
     "bye": {},
     "collectives": {"groups": dict},
+    "wc": {"action": str},  # workload control: what the launcher does at the next failure
     "cycle": {"cycle": int},
     "stats": {},
     "stop": {},

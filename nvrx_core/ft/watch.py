@@ -36,6 +36,8 @@ class RankWatch:
     last_section_end: Optional[float] = None
     section_ends: int = 0
     max_iteration: Optional[int] = None
+    workload_request: Optional[str] = None
+    """What the rank asked the launcher to do at the next failure (WORKLOAD_ACTIONS), if anything."""
     expired: bool = False
     proc: Optional[ProcessHandle] = None
     """The rank's process, by pidfd: every signal goes through it."""
