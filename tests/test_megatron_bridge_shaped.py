@@ -11,7 +11,6 @@ words. The fault-tolerance hooks also meet a train state without a step number.
 import dataclasses
 import json
 import os
-import typing
 from types import SimpleNamespace
 from typing import Optional
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from monitor_harness import MonitorThread
 from spawned_ranks import run_spawned_ranks
+from test_megatron_config import BRIDGE
 from waiting import wait_for
 
 import warm_python
@@ -83,19 +83,8 @@ class BridgeInProcess:
     monitor_process_logdir: Optional[str] = None
 
 
-# Megatron-Bridge 003e863ad19f6db7958d976c961a0d7d9abb1314, src/megatron/bridge/training/config.py:
-# RerunStateMachineConfig is @dataclass(kw_only=True), derived from Megatron-LM's
-# megatron/training/config/resilience_config.py (its five fields, rerun_mode re-declared in place
-# with Bridge's Literal and default) plus spiky_loss_factor. (name, default, Literal values)
-BRIDGE_RERUN_FIELDS = [
-    ("error_injection_rate", 0, None),
-    ("error_injection_type", "transient_error", ("correct_result", "transient_error", "persistent_error")),
-    ("rerun_mode", "disabled", ("disabled", "validate_results", "report_determinism_stats")),
-    ("check_for_nan_in_loss", True, None),
-    ("check_for_spiky_loss", False, None),
-    ("spiky_loss_factor", 10.0, None),
-]
-BridgeRerun = dataclasses.make_dataclass("BridgeRerun", [(n, object, d) for n, d, _ in BRIDGE_RERUN_FIELDS],
+# Bridge's RerunStateMachineConfig (keyword-only since 003e863): its fields, from test_megatron_config's table.
+BridgeRerun = dataclasses.make_dataclass("BridgeRerun", [(n, object, d) for n, d, _ in BRIDGE[RerunStateMachineConfig][1]],
                                          kw_only=True)
 
 
@@ -108,13 +97,8 @@ def shaped(kind, cls, **fields):
 
 
 # ---- RerunStateMachineConfig is Bridge's current shape ---------------------------------------
-def test_rerun_config_fields_equal_bridges():
-    ours = dataclasses.fields(RerunStateMachineConfig)
-    assert [(f.name, f.default) for f in ours] == [(n, d) for n, d, _ in BRIDGE_RERUN_FIELDS]
-    assert all(f.kw_only for f in ours)
-    hints = typing.get_type_hints(RerunStateMachineConfig)
-    literals = [typing.get_args(h) if typing.get_origin(h) is typing.Literal else None for h in hints.values()]
-    assert literals == [literal for _, _, literal in BRIDGE_RERUN_FIELDS]
+def test_rerun_config_is_keyword_only_and_names_bridges_current_mode():
+    """Its fields, defaults and kw_only: test_megatron_config.test_fields_match_bridge."""
     with pytest.raises(TypeError, match=r"keyword arguments only.*\(error_injection_rate=5\)"):
         RerunStateMachineConfig(5)
     with pytest.raises(ConfigError, match="now calls this mode 'report_determinism_stats'"):
