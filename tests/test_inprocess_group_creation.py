@@ -102,9 +102,24 @@ def stuck_creation_job(params):
     return {"rank": train(), "iterations": seen, "pid": os.getpid()}
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_a_rank_stuck_in_gloo_group_creation_restarts_instead_of_being_killed(tmp_path):
-    run = launch(tmp_path, stuck_creation_job, {}, timeout=120)
+    # Whether any rank is still waiting in the constructor when the abort comes depends on
+    # timing: on a loaded node every rank may be interrupted before it reached the wait (seen in
+    # a CI run: all restarted cleanly, none had been stuck). Such a run shows nothing about this
+    # case, so the job runs again, up to three times, until one did; each run must recover.
+    for attempt in range(3):
+        released = _recovers(tmp_path / f"run{attempt}")
+        if released:
+            return
+    pytest.fail("in three runs no rank was still waiting in gloo's group constructor when the abort came")
+
+
+def _recovers(root):
+    """Run the job; check every rank restarted and finished, none killed; the ranks released
+    from a stuck group creation (the injected one never among them)."""
+    root.mkdir()
+    run = launch(root, stuck_creation_job, {}, timeout=120)
     assert run.codes == [0] * WORLD, run.explain()
     assert not run.kinds("rank_killed"), run.explain()
     for rank in range(WORLD):
@@ -115,8 +130,8 @@ def test_a_rank_stuck_in_gloo_group_creation_restarts_instead_of_being_killed(tm
     injected = [rank for rank in failed if rank in PAIR]
     assert injected, run.explain()
     # Which ranks still wait in the constructor when the abort comes depends on timing: the
-    # pair's other rank, or ranks waiting on a pair with the failed one. On a loaded node the
-    # pair's other rank may not have reached its wait yet (its store read then fails with the
-    # abort instead: seen in a loaded CI run, where ranks 2 and 3 were the stuck ones).
+    # pair's other rank, or ranks waiting on a pair with the failed one (in a loaded CI run,
+    # ranks 2 and 3 were the stuck ones).
     released = [rank for rank in range(WORLD) if "stuck creating a process group" in run.log(rank)]
-    assert released and injected[0] not in released, run.explain()
+    assert injected[0] not in released, run.explain()
+    return released
