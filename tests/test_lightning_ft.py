@@ -91,7 +91,7 @@ def test_killed_hung_and_failing_ranks_recover_to_the_same_weights_under_section
 def test_timeouts_learned_in_one_run_catch_a_hang_in_the_next(tmp_path, reference):
     """Run 1 (the reference) learned timeouts: they are in its state dir and in its checkpoint.
     Run 2 resumes from the checkpoint alone (state file removed) with a launcher allowing 60 s
-    between heartbeats; the hang is caught within the learned timeout + 3 s."""
+    between heartbeats; the hang is caught within the learned timeout, not the launcher's 60 s."""
     source, _ = reference
     state = json.loads((source / "ft_state" / "ft_state.json").read_text())
     learned = state["calculated_timeouts"]["heartbeat"]
@@ -110,7 +110,9 @@ def test_timeouts_learned_in_one_run_catch_a_hang_in_the_next(tmp_path, referenc
     [hang] = kinds(events, "fault_injected")
     detected = [e for e in kinds(events, "fault_detected") if e["rank"] == 0]
     assert detected and detected[0]["reason"] == "heartbeat timeout"
-    assert detected[0]["time"] - hang["time"] <= learned + 3.0
+    # far below the launcher's 60 s: the learned timeout caught it (the margin is what a loaded
+    # 2-core node adds between the deadline and the monitor's report: 4.4 s seen in a CI run)
+    assert detected[0]["time"] - hang["time"] <= learned + 15.0 < 60.0
     assert [r["global_step"] for r in results] == [45, 45]
 
 
