@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
@@ -35,57 +34,17 @@ from nvrx_megatron.nvrx_straggler import NVRxStragglerDetectionManager, check_nv
 from nvrx_megatron.rerun_state_machine import RerunDataIterator, RerunStateMachine
 
 
-# ---- stand-ins for Bridge's classes: Bridge's names and defaults, nothing of ours ---------------
-@dataclasses.dataclass
-class BridgeFT:
-    enable_ft_package: bool = False
-    calc_ft_timeouts: bool = False
-    simulate_fault: bool = False
-    simulated_fault_type: str = "random"
-    simulated_fault_rank: Optional[int] = None
-    simulated_fault_base_delay: int = 0
+# ---- stand-ins for Bridge's classes: Bridge's names and defaults (test_megatron_config's table,
+# read from Bridge's source), nothing of ours ---------------------------------------------------
+def _bridge_standin(name, ours):
+    kw_only, table = BRIDGE[ours]
+    return dataclasses.make_dataclass(name, [(field, object, default) for field, default, _ in table], kw_only=kw_only)
 
 
-@dataclasses.dataclass
-class BridgeStraggler:
-    enabled: bool = False
-    report_time_interval: float = 300.0
-    calc_relative_gpu_perf: bool = True
-    calc_individual_gpu_perf: bool = True
-    num_gpu_perf_scores_to_print: int = 5
-    gpu_relative_perf_threshold: float = 0.7
-    gpu_individual_perf_threshold: float = 0.7
-    stop_if_detected: bool = False
-    enable_logging: bool = True
-    profiling_interval: int = 1
-    logger_name: str = "megatron.bridge.NVRxStragglerDetection"
-
-
-@dataclasses.dataclass
-class BridgeInProcess:
-    enabled: bool = False
-    max_iterations: Optional[int] = None
-    monitor_thread_interval: float = 1.0
-    monitor_process_interval: float = 1.0
-    progress_watchdog_interval: float = 1.0
-    heartbeat_interval: float = 30.0
-    soft_timeout: float = 60.0
-    hard_timeout: float = 90.0
-    heartbeat_timeout: float = 60.0
-    barrier_timeout: float = 120.0
-    completion_timeout: float = 120.0
-    last_call_wait: float = 1.0
-    termination_grace_time: float = 1.0
-    granularity: str = "node"
-    active_world_size: Optional[int] = None
-    empty_cuda_cache: bool = True
-    max_rank_faults: Optional[int] = None
-    monitor_process_logdir: Optional[str] = None
-
-
-# Bridge's RerunStateMachineConfig (keyword-only since 003e863): its fields, from test_megatron_config's table.
-BridgeRerun = dataclasses.make_dataclass("BridgeRerun", [(n, object, d) for n, d, _ in BRIDGE[RerunStateMachineConfig][1]],
-                                         kw_only=True)
+BridgeFT = _bridge_standin("BridgeFT", FaultToleranceConfig)
+BridgeStraggler = _bridge_standin("BridgeStraggler", NVRxStragglerDetectionConfig)
+BridgeInProcess = _bridge_standin("BridgeInProcess", InProcessRestartConfig)
+BridgeRerun = _bridge_standin("BridgeRerun", RerunStateMachineConfig)  # keyword-only since Bridge 003e863
 
 
 KINDS = ["dataclass", "namespace"]
