@@ -35,6 +35,7 @@ from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import launcher
 from nvrx_core.ft import torchrun_options as opts
 from nvrx_core.ft.agent import AgentSettings, FaultTolerantAgent
+from waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -296,11 +297,8 @@ def test_a_forwarded_stop_signal_gives_the_workers_the_shutdown_grace_then_kills
     proc = start(["-m", "nvrx_core.ft.command", "--nproc-per-node", "2", "--workers-stop-timeout", "60", flag, "2",
                   "--events-file", events_file, JOB, "--out", out, "--hold"], out, clean_env())
     try:
-        deadline = time.monotonic() + 150
-        while len(reports(out)) < 2:
-            assert proc.poll() is None, output(out)[-4000:]
-            assert time.monotonic() < deadline, output(out)[-4000:]
-            time.sleep(0.1)
+        wait_for(lambda: proc.poll() is not None or len(reports(out)) >= 2, 150, "both workers holding")
+        assert proc.poll() is None, output(out)[-4000:]
         began = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = finish(proc, out, timeout=60)

@@ -21,6 +21,7 @@ import torch
 
 from launcher_util import REPO, kill_tree, kinds, run_launcher
 from monitor_harness import MonitorThread
+from test_lightning_ft import TinyModel
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.ft import (FaultToleranceConfig, FTConfig, HeartbeatTimeouts, RankMonitorClient, RankMonitorClientError,
@@ -185,22 +186,17 @@ def test_outside_ft_launcher_and_unreachable_monitor(tmp_path):
 
 # ---- Lightning callbacks under NVRx's names ---------------------------------------------
 
-class Failing(pl.LightningModule):
+class Failing(TinyModel):
+    """test_lightning_ft's model, raising at step `fail_at`."""
+
     def __init__(self, fail_at):
         super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
         self.fail_at = fail_at
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step == self.fail_at:
             raise KeyError("lost a shard")
-        return self.layer(batch).square().mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(32, 4), batch_size=4)
+        return super().training_step(batch, batch_idx)
 
 
 def fit(root, callback, fail_at):
