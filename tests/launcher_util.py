@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import List, Optional
 
@@ -36,6 +37,13 @@ def run_launcher(args: List[str], timeout: float = 180, env: Optional[dict] = No
     finally:
         kill_tree(proc.pid)  # any straggling worker or monitor
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def warm_popen(argv: List[str], **kwargs) -> warm_python.WarmProcess:
+    """subprocess.Popen([sys.executable, ...]) of an ft_launcher command line, forked from a
+    process that imported the launcher already (nvrx_core.demo.nodes.LocalCluster's `popen`)."""
+    assert argv[0] == sys.executable, argv
+    return warm_python.popen(argv[1:], preload=warm_python.LAUNCHER, **kwargs)
 
 
 def kill_tree(root: int) -> None:

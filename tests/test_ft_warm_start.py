@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from launcher_util import SCRIPTS, run_launcher
+from waiting import wait_for
 from nvrx_core.ft.process_groups import kill_process_groups, live_group_members
 
 pytestmark = pytest.mark.timeout(240)
@@ -87,3 +88,27 @@ def test_an_uncaught_exception_prints_its_traceback_as_plain_python_does(start):
     assert result.returncode != 0
     assert "Traceback (most recent call last)" in result.stdout, result.stdout[-3000:]
     assert "RuntimeError: boom from the script" in result.stdout, result.stdout[-3000:]
+
+
+def test_a_launcher_that_imported_torch_forks_its_fork_server_which_ends_with_the_launcher(tmp_path):
+    """ft_launcher forked from a process holding torch (as run_launcher starts it) forks its fork
+    server instead of starting a new interpreter that imports torch again; the server holds the
+    descriptors a new interpreter would (none of the launcher's), so it ends with the launcher."""
+    cold = subprocess.run([sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", "1",
+                           os.path.join(SCRIPTS, "fork_server_probe.py"), str(tmp_path / "cold.json")],
+                          capture_output=True, text=True, timeout=180)
+    assert cold.returncode == 0, cold.stdout[-3000:] + cold.stderr[-3000:]
+    warm = run_launcher(["--nproc-per-node", "1", os.path.join(SCRIPTS, "fork_server_probe.py"),
+                         str(tmp_path / "warm.json")])
+    assert warm.returncode == 0, warm.stdout[-3000:]
+    cold, warm = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("cold", "warm"))
+    assert cold["server_is_new_interpreter"] and not warm["server_is_new_interpreter"]
+    for probe in (cold, warm):
+        assert probe["server_parent"] == probe["launcher"]
+        wait_for(lambda: not alive(probe["server"], probe["server_started"]), 60, "the fork server to end with its launcher")
+    # the same kinds of descriptors (stdio, sockets, pipes, epoll), and not one more of any
+    assert sorted(_kinds(warm["server_fds"])) == sorted(_kinds(cold["server_fds"])), (warm, cold)
+
+
+def _kinds(fds):
+    return [target.split(":")[0] if ":" in target else "file" for fd, target in fds.items() if int(fd) > 2]

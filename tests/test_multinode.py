@@ -7,6 +7,7 @@ fault-free one). A node is lost by SIGKILL or SIGSTOP to its whole process tree.
 
 import pytest
 
+from launcher_util import warm_popen
 from nvrx_core.demo.nodes import LocalCluster, checkpoint_after, wait_for
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report import attribution
@@ -30,14 +31,14 @@ def finish(nodes, timeout=180):
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
     run = tmp_path_factory.mktemp("fault_free")
-    with LocalCluster(str(run), job(run, step_time=0.0)) as cluster:
+    with LocalCluster(str(run), job(run, step_time=0.0), popen=warm_popen) as cluster:
         nodes = [cluster.start("a"), cluster.start("b")]
         finish(nodes)
     return (run / "weights.sha").read_text()
 
 
 def test_a_killed_node_then_a_hung_node_are_each_replaced_by_a_spare(tmp_path, fault_free):
-    with LocalCluster(str(tmp_path), job(tmp_path), flags=["--max-restarts", "3"]) as cluster:
+    with LocalCluster(str(tmp_path), job(tmp_path), flags=["--max-restarts", "3"], popen=warm_popen) as cluster:
         a, b = cluster.start("a"), cluster.start("b")
         wait_for(lambda: a.group_ranks() and b.group_ranks(), 120, "a and b in the first round")
         spares = [cluster.start("spare1"), cluster.start("spare2")]  # after: a node's arrival decides its role
@@ -73,7 +74,7 @@ def test_without_a_spare_the_job_waits_for_a_replacement_node_with_the_lost_infr
     """Ranks from the scheduler (--ft-use-infra-group-rank, $SLURM_PROCID); no spare: the survivor
     waits until the scheduler brings a node back with the lost one's rank."""
     flags = ["--max-restarts", "3", "--ft-use-infra-group-rank"]
-    with LocalCluster(str(tmp_path), job(tmp_path, step_time=0.1), flags=flags) as cluster:
+    with LocalCluster(str(tmp_path), job(tmp_path, step_time=0.1), flags=flags, popen=warm_popen) as cluster:
         a = cluster.start("a", env={"SLURM_PROCID": "1"})
         b = cluster.start("b", env={"SLURM_PROCID": "0"})
         wait_for(lambda: checkpoint_after([a, b], 0), 120, "a first checkpoint")
@@ -89,7 +90,7 @@ def test_without_a_spare_the_job_waits_for_a_replacement_node_with_the_lost_infr
 
 def test_two_nodes_claiming_one_infra_rank_stop_before_any_worker_starts(tmp_path):
     flags = ["--ft-use-infra-group-rank", "--node-rank", "0"]
-    with LocalCluster(str(tmp_path), job(tmp_path), nproc_per_node=1) as cluster:
+    with LocalCluster(str(tmp_path), job(tmp_path), nproc_per_node=1, popen=warm_popen) as cluster:
         nodes = [cluster.start("a", flags), cluster.start("b", flags)]
         codes = [n.wait(120) for n in nodes]
     assert codes == [ExitCode.CONFIG_ERROR] * 2, "\n".join(n.output()[-2000:] for n in nodes)

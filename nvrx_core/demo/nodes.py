@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from nvrx_core.events import EVENTS_FILE_ENV, read_events
 from nvrx_core.ft.process_groups import descendants
@@ -28,7 +28,8 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 @dataclasses.dataclass
 class Node:
     name: str
-    proc: subprocess.Popen
+    proc: Any
+    """A subprocess.Popen, or what the cluster's `popen` returned in its place."""
     events_file: str
     log_file: str
 
@@ -69,8 +70,12 @@ class LocalCluster:
     """Agents of one job (`run_id`) on 127.0.0.1, meeting at one rendezvous endpoint."""
 
     def __init__(self, workdir: str, job: Sequence[str], nnodes: str = "2", nproc_per_node: int = 2,
-                 launcher: Sequence[str] = FT_LAUNCHER, flags: Sequence[str] = (), env: Optional[Dict] = None):
+                 launcher: Sequence[str] = FT_LAUNCHER, flags: Sequence[str] = (), env: Optional[Dict] = None,
+                 popen: Callable[..., Any] = subprocess.Popen):
+        """`popen`: starts a node's command line (subprocess.Popen's arguments); a test suite
+        may start nodes from a process that imported torch already."""
         self.workdir = workdir
+        self.popen = popen
         self.job = list(job)
         self.launcher = list(launcher)
         self.port = free_port()
@@ -86,8 +91,8 @@ class LocalCluster:
         is_ft = self.launcher == list(FT_LAUNCHER)
         argv = [*self.launcher, *self.common, *flags, *(["--events-file", events_file] if is_ft else []), *self.job]
         with open(log_file, "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**self.env, EVENTS_FILE_ENV: events_file, **(env or {})})
+            proc = self.popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              env={**self.env, EVENTS_FILE_ENV: events_file, **(env or {})})
         node = Node(name, proc, events_file, log_file)
         self.nodes.append(node)
         if len(self.nodes) == 1:

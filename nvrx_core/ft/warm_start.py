@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from nvrx_core.ft import forked_server
 from nvrx_core.signals import STOP_REQUEST_SIGNALS
 
 # fork_server_signals first: the server ignores a job-wide stop signal from then on (its docstring).
@@ -42,7 +43,8 @@ process too."""
 
 
 def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
-    """Start the fork server now (once per process), so its imports overlap with the launcher's."""
+    """Start the fork server now (once per process), so its imports overlap with the launcher's;
+    a process that imported torch already forks it instead (`forked_server`)."""
     from multiprocessing import forkserver
 
     if _SERVER_ENV:
@@ -51,7 +53,11 @@ def start_fork_server(preload: Sequence[str] = PRELOAD) -> None:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     _SERVER_ENV.append(dict(os.environ))
-    forkserver.ensure_running()
+    if forked_server.can_fork_server():
+        with forked_server.server_forked_from_here():
+            forkserver.ensure_running()
+    else:
+        forkserver.ensure_running()
 
 
 def start_early(argv: Sequence[str]) -> None:
