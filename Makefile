@@ -32,11 +32,11 @@ demo: venv
 	$(VENV)/bin/nvrx demo
 
 test: venv
-	$(VENV)/bin/python -m pytest -q -n 4 --dist loadfile tests
+	$(VENV)/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder tests
 
 compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
-	$(COMPAT_VENV)/bin/python -m pytest -q -n 4 --dist loadfile tests
+	$(COMPAT_VENV)/bin/python -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder tests
 
 $(COMPAT_VENV)/.installed: pyproject.toml
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)

@@ -10,11 +10,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 pytest.register_assert_rewrite("megatron_trainer")
 
 # The files that take longest (seconds of test time, unloaded, `pytest -n 2 --durations=0`),
-# handed to xdist's workers first (`--dist loadfile` deals files out in collection order):
+# handed to xdist's workers first (`--dist loadfile --no-loadscope-reorder` deals files out in
+# collection order; xdist's default order is by number of tests, which dealt the Slurm files last):
 # a long file dealt last would leave the other workers idle while it runs.
 SLOWEST_FILES_FIRST = (
-    "test_slurm_nemo_run.py",            # ~360, real Slurm jobs; holds the cluster (slurm_cluster.exclusive)
-    "test_slurm_sbatch.py",              # ~130, waits for the cluster while the one above has it
+    "test_slurm_sbatch.py",              # ~130, real Slurm jobs; holds the cluster (slurm_cluster.exclusive)
+    "test_slurm_nemo_run.py",            # ~360 (most of it Slurm's waits), after the cluster is free
     "test_ft_launcher.py",               # 154
     "test_multinode.py",                 # 122 (paced to outlast spares' startup under load)
     "test_megatron_trainer.py",          # 93

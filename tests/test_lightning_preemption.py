@@ -153,7 +153,8 @@ def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--events-file", events_file, JOB, "--out", out, "--max-steps", str(MAX_STEPS),
+         "--events-file", events_file, "--warm-start-preload", "lightning.pytorch,nvrx_lightning",
+         JOB, "--out", out, "--max-steps", str(MAX_STEPS),
          "--check-every", str(CHECK_EVERY), *PACED],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     output = ""

@@ -51,7 +51,7 @@ def score_rows(rows):
 def test_slow_rank_named_by_the_second_report_scores_logged_then_checkpoint_and_exit_19(tmp_path):
     out, events_file = str(tmp_path), str(tmp_path / "events.jsonl")
     done = run_launcher(["--nproc-per-node", "2", "--max-restarts", "1", "--events-file", events_file,
-                         JOB, "--out", out, "--slow-rank", "1", "--slow-factor", "2.0", "--threshold", "0.8",
+                         "--warm-start-preload", "lightning.pytorch,nvrx_lightning", JOB, "--out", out, "--slow-rank", "1", "--slow-factor", "2.0", "--threshold", "0.8",
                          "--report-time-interval", "0.5", "--stop-if-detected"], timeout=200)
     assert done.returncode == STOP, done.stdout[-4000:]
     results = [read_json(os.path.join(out, f"result.rank{r}.json")) for r in range(2)]
