@@ -23,10 +23,10 @@ import re
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Any, Mapping, Optional, Union
 
 from nvrx_core import events as ev
-from nvrx_core.config import check
+from nvrx_core.config import ConfigError, check
 
 logger = logging.getLogger("nvrx.ft.faults")
 
@@ -116,3 +116,18 @@ class FaultInjector:
             re.match(*GIL_HELD_SPIN)
         else:
             raise SimulatedFaultError(f"simulated fault in rank {self.rank} at iteration {iteration}")
+
+
+def simulated_fault_from(value: Union[SimulatedFault, Mapping[str, Any], None]) -> Optional[SimulatedFault]:
+    """An adapter's `simulated_fault` argument (a SimulatedFault, a dict of its fields, or None),
+    checked where it is given: an unknown or bad field is named with the argument's name."""
+    if value is None or isinstance(value, SimulatedFault):
+        return value
+    check(isinstance(value, Mapping), "simulated_fault", value, "must be a SimulatedFault, a dict of its fields or None")
+    known = {f.name for f in dataclasses.fields(SimulatedFault)}
+    unknown = sorted(set(value) - known)
+    check(not unknown, "simulated_fault", unknown, f"unknown fields; known: {sorted(known)}")
+    try:
+        return SimulatedFault(**value)
+    except ConfigError as e:
+        raise ConfigError(f"simulated_fault: {e}") from None
