@@ -14,7 +14,7 @@ COMPAT_TORCH := torch==2.14.1
 # The rest goes in with uv: 12 s here against pip's 43 s (pip resolves and compiles one file
 # at a time). pip does it where uv cannot be installed. torch stays with pip, which reads
 # this machine's pip configuration (the local CPU wheel).
-EXTRAS := .[dev,lightning,nemo-run,report]
+EXTRAS := .[dev,lightning,nemo-run,report,hf]
 
 .PHONY: venv demo test bench peer compat clean
 

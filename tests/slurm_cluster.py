@@ -46,7 +46,10 @@ _UP: List[Dict[str, str]] = []
 def cluster_env() -> Dict[str, str]:
     """The environment (SLURM_CONF) that reaches the cluster, brought up on first use."""
     if not _UP:
-        out = subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=600)
+        os.makedirs(SLURM_DIR, exist_ok=True)
+        with open(os.path.join(SLURM_DIR, "up.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # two test processes at once: one brings it up
+            out = subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             if any(reason in out.stderr for reason in UNINSTALLABLE):
                 pytest.skip(f"no Slurm here and it cannot be installed: {out.stderr.strip()}")
