@@ -42,6 +42,14 @@ def _cmdline(pid):
         return ""
 
 
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def _alive(pid, started):
     """`pid` is still the process that started at `started`, and not a zombie."""
     try:
@@ -71,7 +79,7 @@ def run_job(tmp_path, start_args, job_args, signal_to, env=None):
         workers = {preempt_progress(out, r)["pid"] for r in (0, 1)}
         wait_for(lambda: workers <= descendants(launcher.pid), timeout=30, what="both workers in the tree")
         tree = [launcher.pid, *sorted(descendants(launcher.pid))]
-        commands = {pid: _cmdline(pid) for pid in tree}
+        commands = {pid: (_cmdline(pid), _parent(pid)) for pid in tree}
         output = _sigterm_and_reap(launcher, tree, tree if signal_to == "step" else tree[:1], timeout=180)
     finally:
         _kill_launcher(launcher)
@@ -131,10 +139,13 @@ def test_sigterm_to_every_process_of_the_step_saves_and_exits_preempted(tmp_path
     assert code == expected, output[-6000:]
     exit_event = _check_preempted(tmp_path, events, output)
     assert exit_event["process_exit_code"] == expected
-    helpers = " ".join(tree.values())
+    helpers = " ".join(command for command, _ in tree.values())
     assert "nvrx_core.ft.monitor" in helpers  # the step's signal reached the helpers too
-    if not start:
-        assert "forkserver" in helpers
+    if not start:  # and the fork server: the launcher's child that is both workers' parent
+        launcher = next(iter(tree))
+        servers = [pid for pid, (_, parent) in tree.items()
+                   if parent == launcher and [p for _, p in tree.values()].count(pid) == 2]
+        assert len(servers) == 1, tree
 
 
 def test_sigterm_to_the_launcher_alone_is_forwarded_to_the_workers(tmp_path):
