@@ -1,7 +1,6 @@
 """StragglerConfig: validation, YAML preset, layering, Megatron-Bridge translation."""
 
 import os
-import types
 
 import pytest
 
@@ -59,44 +58,3 @@ def test_nested_yaml_section(tmp_path):
     nested = tmp_path / "nested.yaml"
     nested.write_text("trainer:\n  resiliency:\n    straggler:\n      report_time_interval: 5\n")
     assert StragglerConfig.from_yaml(str(nested)).report_time_interval == 5
-
-
-def test_from_megatron_translates_bridge_field_names():
-    bridge = types.SimpleNamespace(
-        enabled=True,
-        report_time_interval=300.0,
-        calc_relative_gpu_perf=True,
-        calc_individual_gpu_perf=False,
-        num_gpu_perf_scores_to_print=7,
-        gpu_relative_perf_threshold=0.7,
-        gpu_individual_perf_threshold=0.65,
-        stop_if_detected=True,
-        enable_logging=False,
-        profiling_interval=3,
-        logger_name="megatron.straggler",
-    )
-    config = StragglerConfig.from_megatron(bridge, gather_on_rank0=False)
-    assert config.report_time_interval == 300.0
-    assert config.calc_individual_perf is False
-    assert config.num_scores_to_print == 7
-    assert config.relative_perf_threshold == 0.7 and config.individual_perf_threshold == 0.65
-    assert config.stop_if_detected and not config.enable_logging
-    assert config.profiling_interval == 3 and config.logger_name == "megatron.straggler"
-    assert config.gather_on_rank0 is False
-
-
-def test_from_megatron_mapping_rejects_unknown_and_validates():
-    with pytest.raises(ConfigError, match="unknown field.*gpu_threshold"):
-        StragglerConfig.from_megatron({"gpu_threshold": 0.7})
-    with pytest.raises(ConfigError, match="relative_perf_threshold=1.7"):
-        StragglerConfig.from_megatron({"gpu_relative_perf_threshold": 1.7})
-
-
-def test_from_megatron_reads_bridges_print_count_field():
-    """Bridge names the field num_gpu_perf_scores_to_print; an object is read by the names in
-    MEGATRON_FIELDS, so a wrong key there silently dropped the user's value."""
-    bridge = types.SimpleNamespace(num_gpu_perf_scores_to_print=0, num_gpus_to_print=9)
-    assert StragglerConfig.from_megatron(bridge).num_scores_to_print == 0
-    assert StragglerConfig.from_megatron({"num_gpu_perf_scores_to_print": 3}).num_scores_to_print == 3
-    with pytest.raises(ConfigError, match="unknown field.*num_gpus_to_print"):
-        StragglerConfig.from_megatron({"num_gpus_to_print": 3})

@@ -21,49 +21,31 @@ The Trainer has no exception event: a failing rank leaves the monitor by exiting
 """
 
 import dataclasses
-import logging
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
-from nvrx_core.config import check
-from nvrx_core.ft.faults import SimulatedFault, simulated_fault_from
-from nvrx_core.ft.learning_rules import AfterFirstSave
-from nvrx_core.ft.loop import MonitoredLoop, check_state_dir
+from nvrx_core.ft.faults import SimulatedFault
+from nvrx_core.ft.loop import CallbackArguments, MonitoredLoop
 
 from nvrx_hf._compat import ExportableState, TrainerCallback
 
 STATE_DIR_NAME = "ft_state"
 
 
-class NVRxFaultTolerance(TrainerCallback, ExportableState):
+class NVRxFaultTolerance(TrainerCallback, ExportableState, CallbackArguments):
     """Fault tolerance for `Trainer.train` under ft_launcher; a logged no-op anywhere else.
 
-    Args:
-        calculate_timeouts: learn timeouts from this job's own pace instead of keeping the
-            launcher's loose defaults.
-        state_dir: where learned timeouts are kept between runs; default
-            `<args.output_dir>/ft_state`.
-        write_finished_flag: when training ended, global rank 0 writes the file named by
-            FAULT_TOL_FINISHED_FLAG_FILE, so a scheduler stops resubmitting the job.
-        simulated_fault: a fault to rehearse recovery (a SimulatedFault or a dict of its
-            fields; at_iteration is a global step).
-        logger_name: the logger this callback reports through.
+    Args (nvrx_core.ft.loop.CallbackArguments): calculate_timeouts, state_dir (default
+    `<args.output_dir>/ft_state`), write_finished_flag, simulated_fault (at_iteration is a
+    global step), logger_name.
     """
 
     def __init__(self, calculate_timeouts: bool = True, state_dir: Optional[Union[str, os.PathLike]] = None,
                  write_finished_flag: bool = True,
                  simulated_fault: Union[SimulatedFault, Mapping[str, Any], None] = None,
                  logger_name: str = "nvrx.hf.ft"):
-        check(isinstance(calculate_timeouts, bool), "calculate_timeouts", calculate_timeouts, "must be True or False")
-        check(isinstance(write_finished_flag, bool), "write_finished_flag", write_finished_flag,
-              "must be True or False")
-        check(state_dir is None or isinstance(state_dir, (str, os.PathLike)), "state_dir", state_dir,
-              "must be a directory path or None")
-        self.calculate_timeouts = calculate_timeouts
-        self.state_dir = None if state_dir is None else os.fspath(state_dir)
-        self.write_finished_flag = write_finished_flag
-        self.simulated_fault = simulated_fault_from(simulated_fault)
-        self.logger_name = logger_name
+        CallbackArguments.__init__(self, calculate_timeouts, state_dir, write_finished_flag, simulated_fault,
+                                   logger_name)
         self.checkpointed_timeouts: Dict[str, Any] = {}
         """Learned timeouts restored with a checkpoint (the Trainer sets it, see state())."""
         self._loop: Optional[MonitoredLoop] = None
@@ -78,13 +60,8 @@ class NVRxFaultTolerance(TrainerCallback, ExportableState):
                 "attributes": {"checkpointed_timeouts": self._loop.state_dict() if self._loop else {}}}
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:
-        state_dir = self.state_dir or os.path.join(args.output_dir, STATE_DIR_NAME)
-        check_state_dir(state_dir, create=state.is_world_process_zero)
-        loop = MonitoredLoop(state_dir, rank=args.process_index, world_size=args.world_size,
-                             rule=AfterFirstSave() if self.calculate_timeouts else None,
-                             load_learned=self.calculate_timeouts, simulated_fault=self.simulated_fault,
-                             saves_expected=str(args.save_strategy) != "no",
-                             logger=logging.getLogger(self.logger_name))
+        loop = self.new_loop(os.path.join(args.output_dir, STATE_DIR_NAME), args.process_index, args.world_size,
+                             saves_expected=getattr(args.save_strategy, "value", args.save_strategy) != "no")
         if not loop.begin():
             return                                  # logged once by the client: not under ft_launcher
         self._loop, self._saving = loop, False

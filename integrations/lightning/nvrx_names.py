@@ -69,7 +69,7 @@ class FaultToleranceCallback(NVRxFaultTolerance):
     def fault_tol_client(self) -> Optional[RankMonitorClient]:
         """The rank's client while a fit is monitored (None before setup, after teardown and
         outside ft_launcher), as the peer's attribute of that name."""
-        return self._run.client if self._run is not None else None
+        return self._loop.client if self._loop is not None else None
 
     @property
     def is_initialized(self) -> bool:

@@ -25,7 +25,7 @@ from nvrx_core.config import ConfigError, build, check
 from nvrx_core.ft.faults import SimulatedFault
 from nvrx_core.inprocess.config import InProcessConfig
 from nvrx_core.rerun.config import RerunConfig
-from nvrx_core.straggler.config import MEGATRON_FIELDS, StragglerConfig
+from nvrx_core.straggler.config import StragglerConfig
 
 SIMULATED_FAULT_JITTER = 0.2
 """Bridge delays a simulated fault by base_delay plus up to this fraction of it, at random."""
@@ -33,7 +33,13 @@ SIMULATED_FAULT_JITTER = 0.2
 # Core field name -> Bridge field name, for rewording the core's errors.
 _FAULT_NAMES = {"fault_type": "simulated_fault_type", "rank_to_fail": "simulated_fault_rank",
                 "base_delay": "simulated_fault_base_delay"}
-_STRAGGLER_NAMES = {core: bridge for bridge, core in MEGATRON_FIELDS.items()}
+_STRAGGLER_RENAMED = {"calc_relative_gpu_perf": "calc_relative_perf", "calc_individual_gpu_perf": "calc_individual_perf",
+                      "num_gpu_perf_scores_to_print": "num_scores_to_print",
+                      "gpu_relative_perf_threshold": "relative_perf_threshold",
+                      "gpu_individual_perf_threshold": "individual_perf_threshold"}
+"""Bridge's NVRxStragglerDetectionConfig fields named otherwise in StragglerConfig (the rest
+share their names)."""
+_STRAGGLER_NAMES = {core: bridge for bridge, core in _STRAGGLER_RENAMED.items()}
 _INPROCESS_NAMES = {"monitor_interval": "monitor_thread_interval", "termination_grace": "termination_grace_time",
                     "monitor_log_dir": "monitor_process_logdir"}
 _OLD_RERUN_MODES = {"report_stats": "report_determinism_stats"}
@@ -178,7 +184,9 @@ def straggler_config(config: Any, **overrides: Any) -> StragglerConfig:
                 check(0.0 <= value <= 1.0, name, value, f"{name} must be between 0.0 and 1.0")
                 check(value != 0, name, value, f"must be in (0, 1]: 0.0 never flags a rank (Bridge accepts it; "
                                                f"turn the score off with {score}=False instead)")
-        return StragglerConfig.from_megatron(values, **{"gather_on_rank0": True, **overrides})
+        core = {_STRAGGLER_RENAMED.get(name, name): value for name, value in values.items()}
+        return build(StragglerConfig, core, {"gather_on_rank0": True, **overrides},
+                     source="NVRxStragglerDetectionConfig")
 
 
 # ---- InProcessRestartConfig ------------------------------------------------------------------

@@ -23,14 +23,14 @@ import dataclasses
 import logging
 import os
 import tempfile
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional, Union
 
-from nvrx_core.config import ConfigError
+from nvrx_core.config import ConfigError, check
 from nvrx_core.ft import finished
 from nvrx_core.ft.client import RankMonitorClient
-from nvrx_core.ft.faults import FaultInjector, SimulatedFault
+from nvrx_core.ft.faults import FaultInjector, SimulatedFault, simulated_fault_from
 from nvrx_core.ft.learning_rules import (AFTER_SAVE, BEFORE_SAVE, CHECKPOINTING, END, SETUP, STEP,
-                                         LearningRule, LoopProgress)
+                                         AfterFirstSave, LearningRule, LoopProgress)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +255,46 @@ class MonitoredLoop:
         if self._setup_open:
             self._end(SETUP)
             self._setup_open = False
+
+
+class CallbackArguments:
+    """What a framework's fault-tolerance callback takes (Lightning's, the HF Trainer's), checked
+    where it is given, and the MonitoredLoop each run of the framework's loop gets from it.
+
+    Args:
+        calculate_timeouts: learn timeouts from this job's own pace (`AfterFirstSave`) instead
+            of keeping the launcher's loose defaults.
+        state_dir: where learned timeouts are kept between runs (None: the framework's default).
+        write_finished_flag: when training completed, global rank 0 writes the file named by
+            FAULT_TOL_FINISHED_FLAG_FILE, so a scheduler stops resubmitting the job.
+        simulated_fault: a fault to rehearse recovery (a SimulatedFault or a dict of its fields).
+        logger_name: the logger the callback reports through.
+    """
+
+    def __init__(self, calculate_timeouts: bool = True, state_dir: Optional[Union[str, os.PathLike]] = None,
+                 write_finished_flag: bool = True,
+                 simulated_fault: Union[SimulatedFault, Mapping[str, Any], None] = None,
+                 logger_name: str = "nvrx.ft.loop"):
+        check(isinstance(calculate_timeouts, bool), "calculate_timeouts", calculate_timeouts, "must be True or False")
+        check(isinstance(write_finished_flag, bool), "write_finished_flag", write_finished_flag,
+              "must be True or False")
+        check(state_dir is None or isinstance(state_dir, (str, os.PathLike)), "state_dir", state_dir,
+              "must be a directory path or None")
+        self.calculate_timeouts = calculate_timeouts
+        self.state_dir = None if state_dir is None else os.fspath(state_dir)
+        self.write_finished_flag = write_finished_flag
+        self.simulated_fault = simulated_fault_from(simulated_fault)
+        self.logger_name = logger_name
+        self._logger = logging.getLogger(logger_name)
+
+    def new_loop(self, default_state_dir: str, rank: int, world_size: int, saves_expected: bool) -> MonitoredLoop:
+        """A loop for one run; its state dir is checked (and made by rank 0) first."""
+        state_dir = self.state_dir or default_state_dir
+        check_state_dir(state_dir, create=rank == 0)
+        return MonitoredLoop(state_dir, rank=rank, world_size=world_size,
+                             rule=AfterFirstSave() if self.calculate_timeouts else None,
+                             load_learned=self.calculate_timeouts, simulated_fault=self.simulated_fault,
+                             saves_expected=saves_expected, logger=self._logger)
 
 
 def check_state_dir(state_dir: str, create: bool) -> None:

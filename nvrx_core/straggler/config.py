@@ -5,27 +5,11 @@ below the 0.8 thresholds) while the few-percent spread of healthy ranks is not.
 """
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from nvrx_core.config import ConfigError, build, check, load_yaml_section
+from nvrx_core.config import build, check, load_yaml_section
 
 CUDA_TIMING_MODES = ("auto", "on", "off")
-
-# Megatron-Bridge's NVRxStragglerDetectionConfig field -> StragglerConfig field.
-MEGATRON_FIELDS = {
-    "enabled": "enabled",
-    "report_time_interval": "report_time_interval",
-    "calc_relative_gpu_perf": "calc_relative_perf",
-    "calc_individual_gpu_perf": "calc_individual_perf",
-    "num_gpu_perf_scores_to_print": "num_scores_to_print",
-    "gpu_relative_perf_threshold": "relative_perf_threshold",
-    "gpu_individual_perf_threshold": "individual_perf_threshold",
-    "stop_if_detected": "stop_if_detected",
-    "enable_logging": "enable_logging",
-    "profiling_interval": "profiling_interval",
-    "logger_name": "logger_name",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class StragglerConfig:
@@ -151,19 +135,3 @@ class StragglerConfig:
     def from_yaml(cls, path: str, section: str = "straggler", **overrides: Any) -> "StragglerConfig":
         """defaults < the YAML file's `straggler:` section < overrides (e.g. parsed CLI flags)."""
         return build(cls, load_yaml_section(path, section), overrides, source=f"{path}:{section}")
-
-    @classmethod
-    def from_megatron(cls, megatron_config: Any, **overrides: Any) -> "StragglerConfig":
-        """Translate Megatron-Bridge's NVRxStragglerDetectionConfig (object or mapping)."""
-        if isinstance(megatron_config, Mapping):
-            values = dict(megatron_config)
-        else:
-            values = {k: getattr(megatron_config, k) for k in MEGATRON_FIELDS if hasattr(megatron_config, k)}
-        unknown = sorted(set(values) - set(MEGATRON_FIELDS))
-        if unknown:
-            raise ConfigError(
-                f"NVRxStragglerDetectionConfig: unknown field(s) {', '.join(unknown)}; "
-                f"known fields: {', '.join(sorted(MEGATRON_FIELDS))}"
-            )
-        translated = {MEGATRON_FIELDS[k]: v for k, v in values.items()}
-        return build(cls, translated, overrides, source="NVRxStragglerDetectionConfig")
