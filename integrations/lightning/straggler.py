@@ -36,12 +36,10 @@ removed in on_train_end, on_exception and teardown.
 import functools
 import logging
 import os
-import re
-import statistics
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
-from nvrx_core.config import ConfigError, build, check
-from nvrx_core.straggler import OVERALL, Detector, Report, StragglerConfig
+from nvrx_core.config import check
+from nvrx_core.straggler import Detector, Report, callback_args
 
 from nvrx_lightning._compat import Callback
 from nvrx_lightning.preemption import checkpoint_dir, save_before_exit
@@ -50,20 +48,6 @@ logger = logging.getLogger("nvrx.lightning.straggler")
 
 CHECKPOINT_PREFIX = "last-straggler-stop"
 TIMED_SECTION = "training_step"
-
-# This callback's argument -> the StragglerConfig field it sets.
-ARGUMENTS = {
-    "report_time_interval": "report_time_interval",
-    "calc_relative_gpu_perf": "calc_relative_perf",
-    "calc_individual_gpu_perf": "calc_individual_perf",
-    "num_gpu_perf_scores_to_print": "num_scores_to_print",
-    "gpu_relative_perf_threshold": "relative_perf_threshold",
-    "gpu_individual_perf_threshold": "individual_perf_threshold",
-    "stop_if_detected": "stop_if_detected",
-    "profiling_interval": "profiling_interval",
-    "logger_name": "logger_name",
-}
-SCORE_PREFIXES = (("gpu_relative_perf", "relative"), ("gpu_individual_perf", "individual"))
 
 
 class NVRxStragglerDetection(Callback):
@@ -104,11 +88,7 @@ class NVRxStragglerDetection(Callback):
         check(isinstance(enable_ptl_logging, bool), "enable_ptl_logging", enable_ptl_logging, "must be True or False")
         check(dirpath is None or isinstance(dirpath, (str, os.PathLike)), "dirpath", dirpath,
               "must be a directory path or None")
-        mapped = {core: name for name, core in ARGUMENTS.items()}
-        for key in straggler_config:
-            if key in mapped:
-                raise ConfigError(f"{key}: set it with this callback's argument {mapped[key]!r}")
-        values = dict(
+        self.config = callback_args.straggler_config(dict(
             report_time_interval=report_time_interval,
             calc_relative_gpu_perf=calc_relative_gpu_perf,
             calc_individual_gpu_perf=calc_individual_gpu_perf,
@@ -118,12 +98,7 @@ class NVRxStragglerDetection(Callback):
             stop_if_detected=stop_if_detected,
             profiling_interval=profiling_interval,
             logger_name=logger.name if logger_name is None else logger_name,
-        )
-        try:
-            self.config = build(StragglerConfig, {ARGUMENTS[k]: v for k, v in values.items()}, straggler_config,
-                                source=type(self).__name__)
-        except ConfigError as e:
-            raise ConfigError(_in_argument_names(str(e))) from None
+        ), straggler_config, source=type(self).__name__)
         self.enable_ptl_logging = enable_ptl_logging
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self._detector: Optional[Detector] = None
@@ -151,7 +126,7 @@ class NVRxStragglerDetection(Callback):
             return
         self.last_report, self.report_count = report, self._detector.report_count
         if self.enable_ptl_logging and report.complete and trainer.is_global_zero:
-            metrics = score_summaries(report)
+            metrics = callback_args.score_summaries(report)
             if metrics:
                 pl_module.log_dict(metrics, logger=True, batch_size=1, rank_zero_only=True)
 
@@ -178,23 +153,3 @@ class NVRxStragglerDetection(Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._close()
-
-
-def score_summaries(report: Report) -> Dict[str, float]:
-    """The peer's logged keys: min, median and max over ranks of the per-step scores."""
-    metrics = {}
-    for prefix, kind in SCORE_PREFIXES:
-        scores = list(getattr(report, kind).get(OVERALL, {}).values())
-        if scores:
-            metrics[f"{prefix}/min"] = float(min(scores))
-            metrics[f"{prefix}/median"] = float(statistics.median(scores))
-            metrics[f"{prefix}/max"] = float(max(scores))
-    return metrics
-
-
-def _in_argument_names(message: str) -> str:
-    """A StragglerConfig error re-worded with this callback's argument names."""
-    for name, core in ARGUMENTS.items():
-        if name != core:
-            message = re.sub(rf"\b{core}\b", name, message)
-    return message
