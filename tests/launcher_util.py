@@ -46,6 +46,25 @@ def warm_popen(argv: List[str], **kwargs) -> warm_python.WarmProcess:
     return warm_python.popen(argv[1:], preload=warm_python.LAUNCHER, **kwargs)
 
 
+def start_ticks(pid: int) -> Optional[int]:
+    """When `pid` started, in clock ticks since boot: with the pid, it names one process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except OSError:
+        return None
+
+
+def alive(pid: int, started: int) -> bool:
+    """`pid` is still the process that started at `started` (start_ticks), and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X") and int(fields[19]) == started
+
+
 def kill_tree(root: int) -> None:
     """SIGKILL `root`'s process group and every descendant (workers run in sessions of their own)."""
     for pid in descendants(root):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launcher_util import SCRIPTS, run_launcher
+from launcher_util import SCRIPTS, alive, run_launcher
 from waiting import wait_for
 from nvrx_core.ft.process_groups import kill_process_groups, live_group_members
 
@@ -23,15 +23,6 @@ EXPECTED_TOTAL = 2 * 2 * sum(range(64))
 def plain_python_start_method() -> str:
     return subprocess.run([sys.executable, "-c", "import multiprocessing as m; print(m.get_start_method())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-
-
-def alive(pid: int, started: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] not in ("Z", "X") and int(fields[19]) == started
 
 
 @pytest.mark.parametrize("start", [[], ["--no-warm-start"]], ids=["warm", "cold"])

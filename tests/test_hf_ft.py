@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from launcher_util import SCRIPTS, alive, kinds, run_launcher
 from nvrx_core.events import read_events
 from waiting import wait_for
 
@@ -89,11 +89,3 @@ def test_timeouts_learned_in_one_run_catch_gil_free_and_gil_held_hangs_in_the_ne
         # the deadline and the monitor's report), not the launcher's 45 minutes
         assert detected["time"] - hang["time"] <= learned["heartbeat"] + 15.0, (detected, hang, learned)
 
-
-def alive(pid, started):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] not in ("Z", "X") and int(fields[19]) == started

@@ -20,12 +20,11 @@ import signal
 import pytest
 
 import warm_python
-from launcher_util import SCRIPTS, kill_tree, kinds, preempt_progress
+from launcher_util import SCRIPTS, alive, kill_tree, kinds, preempt_progress, start_ticks
 from nvrx_core.demo.nodes import free_port
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.process_groups import descendants
-from nvrx_core.proc import process_start_time
 from nvrx_core.report import attribution
 from nvrx_core.report.incidents import find_incidents
 from waiting import wait_for
@@ -48,16 +47,6 @@ def _parent(pid):
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
-
-
-def _alive(pid, started):
-    """`pid` is still the process that started at `started`, and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X") and process_start_time(pid) == started
 
 
 def run_job(tmp_path, start_args, job_args, signal_to, env=None):
@@ -89,14 +78,14 @@ def run_job(tmp_path, start_args, job_args, signal_to, env=None):
 def _sigterm_and_reap(launcher, tree, targets, timeout):
     """SIGTERM `targets` (in order), wait for the launcher's output and exit, then until every
     process of `tree` is gone (the monitor and the fork server end with the launcher)."""
-    started = {pid: process_start_time(pid) for pid in tree}
+    started = {pid: start_ticks(pid) for pid in tree}
     for pid in targets:
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     output, _ = launcher.communicate(timeout=timeout)
-    wait_for(lambda: not [p for p in tree if _alive(p, started[p])], timeout=60, what="the job's processes gone")
+    wait_for(lambda: not [p for p in tree if alive(p, started[p])], timeout=60, what="the job's processes gone")
     return output
 
 
