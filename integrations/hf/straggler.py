@@ -34,13 +34,11 @@ removed in `on_train_end` and before a stop's exit. The Trainer has no exception
 """
 
 import logging
-import re
-import statistics
 from typing import Any, Dict, Optional
 
-from nvrx_core.config import ConfigError, build, check
+from nvrx_core.config import check
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.straggler import OVERALL, Detector, Report, StragglerConfig
+from nvrx_core.straggler import Detector, Report, callback_args
 
 from nvrx_hf._compat import TrainerCallback
 from nvrx_hf.preemption import StopAfterSave
@@ -48,21 +46,6 @@ from nvrx_hf.preemption import StopAfterSave
 logger = logging.getLogger("nvrx.hf.straggler")
 
 TIMED_SECTION = "forward"
-
-# This callback's argument -> the StragglerConfig field it sets (the peer's names).
-ARGUMENTS = {
-    "report_time_interval": "report_time_interval",
-    "calc_relative_gpu_perf": "calc_relative_perf",
-    "calc_individual_gpu_perf": "calc_individual_perf",
-    "num_gpu_perf_scores_to_print": "num_scores_to_print",
-    "gpu_relative_perf_threshold": "relative_perf_threshold",
-    "gpu_individual_perf_threshold": "individual_perf_threshold",
-    "stop_if_detected": "stop_if_detected",
-    "profiling_interval": "profiling_interval",
-    "logger_name": "logger_name",
-}
-SCORE_PREFIXES = (("gpu_relative_perf", "relative"), ("gpu_individual_perf", "individual"))
-
 
 class NVRxStragglerDetection(TrainerCallback):
     """Straggler detection for `Trainer.train`; see the module docstring.
@@ -98,11 +81,7 @@ class NVRxStragglerDetection(TrainerCallback):
         **straggler_config: Any,
     ):
         check(isinstance(log_scores, bool), "log_scores", log_scores, "must be True or False")
-        mapped = {core: name for name, core in ARGUMENTS.items()}
-        for key in straggler_config:
-            if key in mapped:
-                raise ConfigError(f"{key}: set it with this callback's argument {mapped[key]!r}")
-        values = dict(
+        arguments = dict(
             report_time_interval=report_time_interval,
             calc_relative_gpu_perf=calc_relative_gpu_perf,
             calc_individual_gpu_perf=calc_individual_gpu_perf,
@@ -113,11 +92,7 @@ class NVRxStragglerDetection(TrainerCallback):
             profiling_interval=profiling_interval,
             logger_name=logger.name if logger_name is None else logger_name,
         )
-        try:
-            self.config = build(StragglerConfig, {ARGUMENTS[k]: v for k, v in values.items()}, straggler_config,
-                                source=type(self).__name__)
-        except ConfigError as e:
-            raise ConfigError(_in_argument_names(str(e))) from None
+        self.config = callback_args.straggler_config(arguments, straggler_config, source=type(self).__name__)
         self.log_scores = log_scores
         self._detector: Optional[Detector] = None
         self._stop: Optional[StopAfterSave] = None
@@ -151,7 +126,7 @@ class NVRxStragglerDetection(TrainerCallback):
             return
         self.last_report, self.report_count = report, self._detector.report_count
         if self.log_scores and report.complete and state.is_world_process_zero:
-            self._unlogged = score_summaries(report)
+            self._unlogged = callback_args.score_summaries(report)
         if report.stop:  # rank 0's decision, the same on every rank (the Detector logged it)
             self._stop.request(args, state, control)
 
@@ -184,22 +159,3 @@ class NVRxStragglerDetection(TrainerCallback):
         if self._stop is not None:
             self._stop.exit_at_train_end(self._close)
 
-
-def score_summaries(report: Report) -> Dict[str, float]:
-    """The peer's logged keys: min, median and max over ranks of the per-step scores."""
-    metrics = {}
-    for prefix, kind in SCORE_PREFIXES:
-        scores = list(getattr(report, kind).get(OVERALL, {}).values())
-        if scores:
-            metrics[f"{prefix}/min"] = float(min(scores))
-            metrics[f"{prefix}/median"] = float(statistics.median(scores))
-            metrics[f"{prefix}/max"] = float(max(scores))
-    return metrics
-
-
-def _in_argument_names(message: str) -> str:
-    """A StragglerConfig error re-worded with this callback's argument names."""
-    for name, core in ARGUMENTS.items():
-        if name != core:
-            message = re.sub(rf"\b{core}\b", name, message)
-    return message
