@@ -38,6 +38,25 @@ _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 _FLAG_BYTES = len(b"false")  # the longest JSON a signaled_ranks() flag takes
 
 
+def signal_names(signals: Any) -> Any:
+    """An adapter's `signals` argument (a name or number, or a list of them) as PreemptionConfig's
+    list of names; anything else is left for PreemptionConfig to refuse, naming it."""
+    if isinstance(signals, (str, int)):
+        signals = [signals]
+    if not isinstance(signals, (list, tuple)):
+        return signals
+    return [_signal_name(s) for s in signals]
+
+
+def _signal_name(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return signal.Signals(value).name
+        except ValueError:
+            return value
+    return value
+
+
 @dataclasses.dataclass
 class PreemptionConfig:
     signals: List[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])

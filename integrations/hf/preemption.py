@@ -26,12 +26,11 @@ the same process takes a fresh claim after the previous one is released by that 
 """
 
 import logging
-import signal
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 from nvrx_core.collectives import Collectives
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.preemption import DistributedSignalHandler, PreemptionConfig
+from nvrx_core.preemption import DistributedSignalHandler, PreemptionConfig, signal_names
 
 from nvrx_hf._compat import TrainerCallback
 
@@ -118,9 +117,7 @@ class NVRxPreemption(TrainerCallback):
 
     def __init__(self, signals: Sequence[Union[str, int]] = ("SIGTERM",), check_every_n_steps: int = 10,
                  exit_code: int = int(ExitCode.PREEMPTED)):
-        if isinstance(signals, (str, int)):
-            signals = [signals]
-        names = [_signal_name(s) for s in signals] if isinstance(signals, (list, tuple)) else signals
+        names = signal_names(signals)
         self.config = PreemptionConfig(signals=names, check_every_n_steps=check_every_n_steps, exit_code=exit_code)
         self._handler: Optional[DistributedSignalHandler] = None
         self._stop: Optional[StopAfterSave] = None
@@ -173,13 +170,3 @@ class NVRxPreemption(TrainerCallback):
         self._release()
         if self._stop is not None:
             self._stop.exit_at_train_end(self._leave)
-
-
-def _signal_name(value: Union[str, int]) -> Any:
-    """A signal number becomes its name; anything else is left for PreemptionConfig to judge."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return signal.Signals(value).name
-        except ValueError:
-            return value
-    return value

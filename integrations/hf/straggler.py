@@ -47,20 +47,16 @@ logger = logging.getLogger("nvrx.hf.straggler")
 
 TIMED_SECTION = "forward"
 
+
 class NVRxStragglerDetection(TrainerCallback):
     """Straggler detection for `Trainer.train`; see the module docstring.
 
-    Args:
-        report_time_interval: seconds between reports (all ranks agree on the step).
-        calc_relative_gpu_perf: score each rank against the fastest rank.
-        calc_individual_gpu_perf: score each rank against its own earlier reports.
-        num_gpu_perf_scores_to_print: best and worst ranks in the logged table (0: the table
-            only when a straggler is flagged).
-        gpu_relative_perf_threshold / gpu_individual_perf_threshold: a score below this is
-            bad (0.7: the rank takes 1.43x the time).
-        stop_if_detected: on a flagged straggler, the Trainer saves and every rank exits 19.
-        profiling_interval: time only every N-th step.
-        logger_name: logger of the report table (None: "nvrx.hf.straggler").
+    Args: nvidia-resiliency-ext's StragglerDetectionCallback's (`nvrx_core.straggler.callback_args`),
+    as nvrx_lightning's callback takes them, without `enable_ptl_logging`: report_time_interval,
+    calc_relative_gpu_perf, calc_individual_gpu_perf, num_gpu_perf_scores_to_print,
+    gpu_relative_perf_threshold, gpu_individual_perf_threshold, stop_if_detected (on a flagged
+    straggler the Trainer saves and every rank exits 19), profiling_interval, logger_name (None:
+    "nvrx.hf.straggler"); then
         log_scores: add the score summaries to the Trainer's log history (rank 0).
         **straggler_config: further nvrx_core StragglerConfig fields, by their names there.
     """
@@ -81,18 +77,8 @@ class NVRxStragglerDetection(TrainerCallback):
         **straggler_config: Any,
     ):
         check(isinstance(log_scores, bool), "log_scores", log_scores, "must be True or False")
-        arguments = dict(
-            report_time_interval=report_time_interval,
-            calc_relative_gpu_perf=calc_relative_gpu_perf,
-            calc_individual_gpu_perf=calc_individual_gpu_perf,
-            num_gpu_perf_scores_to_print=num_gpu_perf_scores_to_print,
-            gpu_relative_perf_threshold=gpu_relative_perf_threshold,
-            gpu_individual_perf_threshold=gpu_individual_perf_threshold,
-            stop_if_detected=stop_if_detected,
-            profiling_interval=profiling_interval,
-            logger_name=logger.name if logger_name is None else logger_name,
-        )
-        self.config = callback_args.straggler_config(arguments, straggler_config, source=type(self).__name__)
+        logger_name = logger.name if logger_name is None else logger_name
+        self.config = callback_args.straggler_config(locals(), straggler_config, source=type(self).__name__)
         self.log_scores = log_scores
         self._detector: Optional[Detector] = None
         self._stop: Optional[StopAfterSave] = None

@@ -35,12 +35,11 @@ ModelCheckpoint uses that directory; otherwise pass its path.
 
 import logging
 import os
-import signal
 from typing import Any, List, Optional, Sequence, Union
 
 from nvrx_core.config import check
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.preemption import DistributedSignalHandler, PreemptionConfig
+from nvrx_core.preemption import DistributedSignalHandler, PreemptionConfig, signal_names
 
 from nvrx_lightning._compat import Callback
 
@@ -66,9 +65,7 @@ class NVRxPreemption(Callback):
 
     def __init__(self, signals: Sequence[Union[str, int]] = ("SIGTERM",), check_every_n_steps: int = 10,
                  exit_code: int = int(ExitCode.PREEMPTED), dirpath: Optional[Union[str, os.PathLike]] = None):
-        if isinstance(signals, (str, int)):
-            signals = [signals]
-        names = [_signal_name(s) for s in signals] if isinstance(signals, (list, tuple)) else signals
+        names = signal_names(signals)
         self.config = PreemptionConfig(signals=names, check_every_n_steps=check_every_n_steps, exit_code=exit_code)
         check(dirpath is None or isinstance(dirpath, (str, os.PathLike)), "dirpath", dirpath,
               "must be a directory path or None")
@@ -163,13 +160,3 @@ def checkpoint_dir(trainer: Any, dirpath: Optional[str]) -> str:
     if callback_dir:
         return os.fspath(callback_dir)
     return os.path.join(trainer.default_root_dir, "checkpoints")
-
-
-def _signal_name(value: Union[str, int]) -> Any:
-    """A signal number becomes its name; anything else is left for PreemptionConfig to judge."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return signal.Signals(value).name
-        except ValueError:
-            return value
-    return value

@@ -88,17 +88,8 @@ class NVRxStragglerDetection(Callback):
         check(isinstance(enable_ptl_logging, bool), "enable_ptl_logging", enable_ptl_logging, "must be True or False")
         check(dirpath is None or isinstance(dirpath, (str, os.PathLike)), "dirpath", dirpath,
               "must be a directory path or None")
-        self.config = callback_args.straggler_config(dict(
-            report_time_interval=report_time_interval,
-            calc_relative_gpu_perf=calc_relative_gpu_perf,
-            calc_individual_gpu_perf=calc_individual_gpu_perf,
-            num_gpu_perf_scores_to_print=num_gpu_perf_scores_to_print,
-            gpu_relative_perf_threshold=gpu_relative_perf_threshold,
-            gpu_individual_perf_threshold=gpu_individual_perf_threshold,
-            stop_if_detected=stop_if_detected,
-            profiling_interval=profiling_interval,
-            logger_name=logger.name if logger_name is None else logger_name,
-        ), straggler_config, source=type(self).__name__)
+        logger_name = logger.name if logger_name is None else logger_name
+        self.config = callback_args.straggler_config(locals(), straggler_config, source=type(self).__name__)
         self.enable_ptl_logging = enable_ptl_logging
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self._detector: Optional[Detector] = None

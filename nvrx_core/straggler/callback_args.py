@@ -23,13 +23,17 @@ RENAMED = {
     "gpu_individual_perf_threshold": "individual_perf_threshold",
 }
 """The callback's argument -> StragglerConfig's field, where the names differ."""
+ARGUMENTS = ("report_time_interval", *RENAMED, "stop_if_detected", "profiling_interval", "logger_name")
+"""Every argument of the peer's callback that sets a StragglerConfig field."""
 SCORE_PREFIXES = (("gpu_relative_perf", "relative"), ("gpu_individual_perf", "individual"))
 
 
 def straggler_config(arguments: Mapping[str, Any], extra: Mapping[str, Any], source: str) -> StragglerConfig:
-    """StragglerConfig from a callback's named `arguments` (its own names) and `extra` further
-    StragglerConfig fields by their core names; a core name that one of the arguments already
-    sets is refused, naming the argument to use."""
+    """StragglerConfig from a callback's `arguments` (its own names: those of ARGUMENTS are
+    taken, so a callback may pass its `locals()`) and `extra` further StragglerConfig fields by
+    their core names; a core name that one of the arguments already sets is refused, naming the
+    argument to use."""
+    arguments = {name: value for name, value in arguments.items() if name in ARGUMENTS}
     argument_of = {core: name for name, core in RENAMED.items()}
     for key in extra:
         if key in arguments or key in argument_of:
