@@ -19,6 +19,8 @@ SLOWEST_FILES_FIRST = (
     "test_ft_launcher.py",               # 154
     "test_multinode.py",                 # 122 (paced to outlast spares' startup under load)
     "test_megatron_trainer.py",          # 93
+    "test_hf_ft.py",                     # ~100 (three 2-rank Trainer runs, seven restarts)
+    "test_hf_preemption.py",             # ~48
     "test_ft_torchrun_parity.py",        # ~70 (three combined runs: ours warm, cold, torchrun)
     "test_nemo_run_jobs.py",             # 69
     "test_lightning_ft.py",              # 68
