@@ -1,11 +1,15 @@
 """Ranks as processes (from a preloaded fork server) around a TCPStore hosted by the test: each runs
 `target(rank, world, store_port, out_dir)`; every one must exit 0 in time, none outlives the test."""
 
+import os
+import subprocess
 import time
 
+import pytest
 import torch.distributed as dist
 
 import warm_python
+from launcher_util import kill_tree
 
 
 def run_spawned_ranks(target, world: int, out_dir: str, timeout: float = 120.0) -> None:
@@ -25,3 +29,53 @@ def run_spawned_ranks(target, world: int, out_dir: str, timeout: float = 120.0) 
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+class TorchrunLikeRanks:
+    """`world` ranks of one script started as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE,
+    the torchelastic variables, MASTER_* of a store this test holds, a log file each), forked
+    from a warm process that imported `preload`. No launcher: the test signals ranks itself."""
+
+    def __init__(self, out: str, argv: list, preload, world: int = 2, env: dict = None):
+        os.makedirs(out, exist_ok=True)
+        self.out = out
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.procs = []
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("NVRX_", "FAULT_TOL_"))}
+        base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        for rank in range(world):
+            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
+                            TORCHELASTIC_RUN_ID="nvrx-test", TORCHELASTIC_USE_AGENT_STORE="True",
+                            TORCHELASTIC_RESTART_COUNT="0")
+            with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
+                self.procs.append(warm_python.popen(list(argv), env=rank_env, stdout=log, stderr=warm_python.STDOUT,
+                                                    start_new_session=True, preload=preload))
+
+    def finish(self, timeout: float = 150.0) -> list:
+        """Every rank's exit code, once all exited within `timeout` (else the test fails)."""
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in self.procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job in {self.out} did not finish within {timeout} s\n{self.logs()}")
+        finally:
+            self.kill()
+        return [p.returncode for p in self.procs]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            kill_tree(proc.pid)
+            proc.wait()
+
+    def logs(self) -> str:
+        return "".join(tail(os.path.join(self.out, f"rank{r}.log")) for r in range(len(self.procs)))
+
+
+def tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except FileNotFoundError:
+        return ""

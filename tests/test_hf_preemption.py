@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before the warm servers import transformers: nothing is fetched
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds, warm_popen
+from spawned_ranks import TorchrunLikeRanks, tail
 import waiting
 import warm_python
 from nvrx_core.config import ConfigError
@@ -52,50 +52,10 @@ def clean_env(**extra):
     return env
 
 
-class Ranks:
-    """Two ranks of hf_preempt_job.py with the torchelastic variables; the test holds the store."""
-
-    def __init__(self, out, *args, world=2):
-        os.makedirs(out, exist_ok=True)
-        self.out = out
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs = []
-        for rank in range(world):
-            env = clean_env(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
-                            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
-                            TORCHELASTIC_RUN_ID="nvrx-test", TORCHELASTIC_USE_AGENT_STORE="True",
-                            TORCHELASTIC_RESTART_COUNT="0")
-            with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
-                self.procs.append(warm_python.popen(
-                    [JOB, "--out", out, "--max-steps", str(MAX_STEPS), "--check-every", str(CHECK_EVERY), *args],
-                    env=env, stdout=log, stderr=warm_python.STDOUT, start_new_session=True, preload=HF_PRELOAD))
-
-    def finish(self, timeout=150.0):
-        deadline = time.monotonic() + timeout
-        try:
-            for proc in self.procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"job in {self.out} did not finish within {timeout} s\n{self.logs()}")
-        finally:
-            self.kill()
-        return [p.returncode for p in self.procs]
-
-    def kill(self):
-        for proc in self.procs:
-            kill_tree(proc.pid)
-            proc.wait()
-
-    def logs(self):
-        return "".join(tail(os.path.join(self.out, f"rank{r}.log")) for r in range(len(self.procs)))
-
-
-def tail(path, n=3000):
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-n:]
-    except FileNotFoundError:
-        return ""
+def Ranks(out, *args):
+    """Two ranks of hf_preempt_job.py started by the test, as torchrun would."""
+    return TorchrunLikeRanks(out, [JOB, "--out", out, "--max-steps", str(MAX_STEPS), "--check-every", str(CHECK_EVERY),
+                                   *args], preload=HF_PRELOAD, env={"HF_HUB_OFFLINE": "1"})
 
 
 def read_json(path):

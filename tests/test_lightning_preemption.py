@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds
+from spawned_ranks import TorchrunLikeRanks
 import warm_python
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
@@ -39,45 +40,10 @@ PREEMPTED = int(ExitCode.PREEMPTED)
 
 # ---- helpers: a job whose ranks this test starts itself, as torchrun would ----------------
 
-class Job:
-    """Two ranks with the torchelastic variables Lightning reads; the test holds the store."""
-
-    def __init__(self, out, *args, world=2):
-        os.makedirs(out, exist_ok=True)
-        self.out = out
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs = []
-        for rank in range(world):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("NVRX_", "FAULT_TOL_"))}
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port),
-                       TORCHELASTIC_RUN_ID="nvrx-test", TORCHELASTIC_USE_AGENT_STORE="True",
-                       TORCHELASTIC_RESTART_COUNT="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            with open(os.path.join(out, f"rank{rank}.log"), "w") as log:
-                self.procs.append(warm_python.popen(
-                    [JOB, "--out", out, "--max-steps", str(MAX_STEPS),
-                     "--check-every", str(CHECK_EVERY), "--pace-s", "0", *args],
-                    env=env, stdout=log, stderr=warm_python.STDOUT, start_new_session=True,
-                    preload=warm_python.LIGHTNING))
-
-    def finish(self, timeout=150.0):
-        deadline = time.monotonic() + timeout
-        try:
-            for proc in self.procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"job in {self.out} did not finish within {timeout} s\n{self.logs()}")
-        finally:
-            self.kill()
-        return [p.returncode for p in self.procs]
-
-    def kill(self):
-        for proc in self.procs:
-            kill_tree(proc.pid)
-            proc.wait()
-
-    def logs(self):
-        return "".join(open(os.path.join(self.out, f"rank{r}.log")).read()[-3000:] for r in range(len(self.procs)))
+def Job(out, *args):
+    """Two ranks of the Lightning job started by the test, as torchrun would."""
+    return TorchrunLikeRanks(out, [JOB, "--out", out, "--max-steps", str(MAX_STEPS), "--check-every", str(CHECK_EVERY),
+                                   "--pace-s", "0", *args], preload=warm_python.LIGHTNING)
 
 
 def read_json(path):
