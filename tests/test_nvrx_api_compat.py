@@ -230,7 +230,9 @@ def test_sections_callback_applies_the_exception_policy_and_cleans_up(tmp_path, 
                 seen = fit(tmp_path, callback, fail_at=3)
         assert policy_saw == [KeyError]
         assert (tmp_path / "finished").exists()                 # as the peer: shutdown writes the flag
-        [request] = [e for e in read_events(served.events_file) if e["kind"] == "workload_request"]
+        requests = lambda: [e for e in read_events(served.events_file) if e["kind"] == "workload_request"]
+        wait_for(requests, what="the monitor thread recorded the rank's request")   # it reads the socket on its own
+        [request] = requests()
         assert (request["action"], request["reason"]) == ("ShutdownWorkload", "data is corrupt")  # for the launcher
         assert callback.fault_tol_client is None
         wait_for(lambda: served.watch(os.getpid()) is None, what="the rank left the monitor")
