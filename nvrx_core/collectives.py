@@ -222,16 +222,23 @@ class Collectives:
         self._released(mine, *(parts or []))
         return result
 
-    def broadcast_bytes(self, data: Optional[bytes]) -> bytes:
-        """Group rank 0's `data` on every rank (others pass None)."""
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of this group's rank `group_rank` (torch's src/dst arguments)."""
+        if self.group is None or self.group is dist.group.WORLD:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def broadcast_bytes(self, data: Optional[bytes], src: int = 0) -> bytes:
+        """Group rank `src`'s `data` on every rank (others pass None)."""
         if self.alone:
             return bytes(data)
-        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64, device=self.device)
-        _c10d.broadcast(size, src=self._root, group=self.group)
+        root = self.global_rank(src)
+        size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64, device=self.device)
+        _c10d.broadcast(size, src=root, group=self.group)
         length = int(size.item())
         self._released(size)
-        buffer = self._framed(data if self.rank == 0 else b"", length)
-        _c10d.broadcast(buffer, src=self._root, group=self.group)
+        buffer = self._framed(data if self.rank == src else b"", length)
+        _c10d.broadcast(buffer, src=root, group=self.group)
         result = self._unframed(buffer)
         self._released(buffer)
         return result
@@ -246,9 +253,9 @@ class Collectives:
         parts = self.gather_bytes(_dumps(obj), max_size)
         return None if parts is None else [json.loads(p) for p in parts]
 
-    def broadcast_json(self, obj: Any) -> Any:
-        """Group rank 0's `obj` on every rank (others pass anything, e.g. None)."""
-        return json.loads(self.broadcast_bytes(_dumps(obj) if self.rank == 0 else None))
+    def broadcast_json(self, obj: Any, src: int = 0) -> Any:
+        """Group rank `src`'s `obj` on every rank (others pass anything, e.g. None)."""
+        return json.loads(self.broadcast_bytes(_dumps(obj) if self.rank == src else None, src))
 
 
 def _dumps(obj: Any) -> bytes:

@@ -20,7 +20,7 @@ YAML_SECTION = "inprocess"
 DURATION_FIELDS = (
     "soft_timeout", "hard_timeout", "heartbeat_interval", "heartbeat_timeout", "barrier_timeout",
     "completion_timeout", "monitor_interval", "termination_grace", "monitor_process_interval",
-    "progress_watchdog_interval", "last_call_wait",
+    "progress_watchdog_interval", "last_call_wait", "respawn_timeout",
 )
 OPTIONAL_DURATIONS = ("monitor_process_interval", "progress_watchdog_interval")
 ZERO_ALLOWED = ("termination_grace", "last_call_wait")
@@ -76,6 +76,10 @@ class InProcessConfig:
     """After a fault, the restart plan is made no earlier than this many seconds after this rank
     left the iteration, so terminations that follow the fault closely (a node's other ranks
     dying with it) are handled by the same restart, not by one restart each. 0: at once."""
+    respawn_timeout: float = 60.0
+    """Under `ft_launcher --ft-restart-policy respawn-rank`, which replaces a dead rank's process
+    and leaves the others running: how long the others wait for the replacement to join before
+    they give up (exit 22) and the launcher restarts every rank."""
 
     def __post_init__(self):
         for name in DURATION_FIELDS:

@@ -5,8 +5,12 @@ Keys (under the call's prefix P):
   P/hb/<r>                    heartbeat counter of r (the watcher times changes on its own clock,
                               so clock skew between nodes does not matter)
   P/init                      arrivals at the first barrier
-  P/term/<r>, P/term_list, P/term_count
-                              r is gone for good (first writer wins; list = "r:cause\n" lines)
+  P/term/<r>/<g>, P/term_list, P/term_count
+                              process generation g of r is gone (first writer wins; list =
+                              "r:cause\n" lines, and "r:revived\n" when a launcher's replacement
+                              of r joined: r's generation is then P/gen/<r>)
+  P/gen/<r>                   replacements of r that joined so far (its generation)
+  P/await/<r>/<g>             the iteration whose plan waits for the replacement of r (generation g)
   P/it<k>/nrec, P/it<k>/rec   interruption records of iteration k (counter, JSON lines)
   P/it<k>/arrive, .../arrived restart barrier of iteration k (counter, "r," list)
   P/it<k>/plan                the next iteration's plan (first writer wins)
@@ -33,6 +37,7 @@ logger = logging.getLogger("nvrx.inprocess")
 
 POLL_MIN, POLL_MAX = 0.002, 0.05
 COMPLETED, RESTART = "completed", "restart"
+REVIVED = "revived"
 
 
 class Poller:
@@ -120,13 +125,20 @@ class Coordinator:
                 raise BarrierTimeout(f"only {arrived} of {world_size} ranks reached the first in-process "
                                      f"barrier within barrier_timeout={timeout} s")
             poller.wait()
-        return [v.decode() for v in self.store.multi_get([self.key("node", r) for r in range(world_size)])]
+        return self.node_names(world_size)
 
     # ---- termination ---------------------------------------------------------------
-    def mark_terminated(self, rank: int, cause: Cause, detail: str = "") -> bool:
-        """Declare `rank` gone for good; True if this call was the first to say so."""
+    def mark_terminated(self, rank: int, cause: Cause, detail: str = "", generation: Optional[int] = None) -> bool:
+        """Declare `rank` gone; True if this call was the first to say so.
+
+        `generation`: which process of the rank (0: the first; a launcher's replacement that
+        joined is the next); by default the rank's current one. A declaration about a process
+        that a replacement already succeeded then claims a settled key and changes nothing.
+        """
+        if generation is None:
+            generation = self.generation(rank)
         claim = f"{self.rank}:{cause.value}:{uuid.uuid4().hex}"  # unique: a repeated claim must not win again
-        if self.store.compare_set(self.key("term", rank), "", claim).decode() != claim:
+        if self.store.compare_set(self.key("term", rank, generation), "", claim).decode() != claim:
             return False
         self.store.append(self.key("term_list"), f"{rank}:{cause.value}\n")
         self.store.add(self.key("term_count"), 1)
@@ -134,17 +146,54 @@ class Coordinator:
         return True
 
     def terminated_count(self) -> int:
+        """Terminations declared so far (a revival does not lower it: it only ever grows)."""
         return self.store.add(self.key("term_count"), 0)
 
     def terminated(self) -> Dict[int, str]:
-        """Initial rank -> cause, for every rank declared terminated so far."""
+        """Initial rank -> cause, for every rank declared terminated and not revived since."""
+        return self.terminations()[0]
+
+    def terminations(self) -> Tuple[Dict[int, str], int]:
+        """(terminated(), the number of declarations it was read from): one read of the list."""
         if not self.store.check([self.key("term_list")]):
-            return {}
-        out = {}
+            return {}, 0
+        out: Dict[int, str] = {}
+        declared = 0
         for line in self.store.get(self.key("term_list")).decode().splitlines():
             rank, _, cause = line.partition(":")
-            out.setdefault(int(rank), cause)
-        return out
+            if cause == REVIVED:
+                out.pop(int(rank), None)
+            else:
+                declared += 1
+                out.setdefault(int(rank), cause)
+        return out, declared
+
+    # ---- a launcher's replacement of a dead rank (ft_launcher --restart-policy respawn-rank) ----
+    def generation(self, rank: int) -> int:
+        return self.store.add(self.key("gen", rank), 0)
+
+    def await_replacement(self, rank: int, generation: int, iteration: int) -> None:
+        """Iteration `iteration` runs with a replacement of `rank` (the one after `generation`)."""
+        self.store.set(self.key("await", rank, generation), str(iteration))
+
+    def awaited_at(self, generation: int, timeout: float) -> int:
+        """This rank is a replacement: the iteration whose plan waits for it."""
+        key, deadline, poller = self.key("await", self.rank, generation), time.monotonic() + timeout, Poller()
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise BarrierTimeout(f"replacement of rank {self.rank}: no restart plan waited for it within "
+                                     f"{timeout} s (the other ranks did not see rank {self.rank} die?)")
+            poller.wait()
+        return int(self.store.get(key))
+
+    def revive(self) -> None:
+        """This replacement takes its rank's place: no longer terminated, one generation on."""
+        self.store.append(self.key("term_list"), f"{self.rank}:{REVIVED}\n")
+        self.store.add(self.key("gen", self.rank), 1)
+
+    def node_names(self, world_size: int) -> List[str]:
+        """The node of each initial rank, as announced at the first barrier."""
+        return [v.decode() for v in self.store.multi_get([self.key("node", r) for r in range(world_size)])]
 
     # ---- interruptions ---------------------------------------------------------------
     def record(self, iteration: int, cause: Cause, detail: str = "", rank: Optional[int] = None) -> InterruptionRecord:

@@ -37,6 +37,10 @@ class Plan:
     give_up: Optional[str] = None
     previous: Tuple[InterruptionRecord, ...] = ()
     """What ended the previous iteration."""
+    awaiting: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """Initial ranks whose process died and that the launcher replaces (respawn-rank), with the
+    generation of the process that died: they keep their active rank, and the iteration starts
+    once their replacements joined."""
 
     def role(self, rank: int) -> str:
         if rank in self.causes:
@@ -56,6 +60,7 @@ class Plan:
             "marked": self.marked,
             "give_up": self.give_up,
             "previous": [json.loads(rec.to_json()) for rec in self.previous],
+            "awaiting": {str(r): g for r, g in self.awaiting.items()},
         })
 
     @classmethod
@@ -71,6 +76,7 @@ class Plan:
             marked=data["marked"],
             give_up=data["give_up"],
             previous=tuple(InterruptionRecord.from_json(json.dumps(rec)) for rec in data["previous"]),
+            awaiting={int(r): g for r, g in data.get("awaiting", {}).items()},
         )
 
 
@@ -81,17 +87,24 @@ def faulty_ranks(records: Sequence[InterruptionRecord], new_marks: Mapping[int, 
 
 
 def next_plan(previous: Plan, records: Sequence[InterruptionRecord], marks: Mapping[int, str],
-              config: InProcessConfig, policy: Policy) -> Plan:
+              config: InProcessConfig, policy: Policy, marked: Optional[int] = None,
+              generations: Optional[Mapping[int, int]] = None) -> Plan:
     """The plan of iteration previous.iteration + 1.
 
     `records`: interruptions recorded in the ended iteration; `marks`: every termination
-    mark in the store (initial rank -> cause).
+    mark in the store (initial rank -> cause) not followed by a replacement; `marked`: how
+    many declarations that was read from (default len(marks)). `generations` (respawn-rank:
+    the launcher replaces a rank whose process died): each dead rank's process generation;
+    such a rank keeps its place and its replacement is awaited.
     """
     new_marks = {r: c for r, c in marks.items() if r not in previous.causes}
     faults: Dict[int, int] = dict(previous.faults)
     faulty = faulty_ranks(records, new_marks)
     for rank in faulty:
         faults[rank] = faults.get(rank, 0) + 1
+    marked = len(marks) if marked is None else marked
+    if generations is not None:
+        return _awaiting_replacements(previous, records, new_marks, faults, marked, config, generations)
     over_limit = sorted(r for r in faulty if r not in new_marks and config.max_rank_faults is not None
                         and faults[r] > config.max_rank_faults)
     causes: Dict[int, str] = {**previous.causes, **new_marks, **{r: Cause.MAX_RANK_FAULTS.value for r in over_limit}}
@@ -101,8 +114,18 @@ def next_plan(previous: Plan, records: Sequence[InterruptionRecord], marks: Mapp
         causes[rank] = EXCLUDED_BY_POLICY
     assignment = assignment.replace(terminated=frozenset(causes))
     iteration = previous.iteration + 1
-    return Plan(iteration, assignment, faults, causes, len(marks),
+    return Plan(iteration, assignment, faults, causes, marked,
                 _give_up_reason(iteration, assignment, records, config), tuple(records))
+
+
+def _awaiting_replacements(previous: Plan, records: Sequence[InterruptionRecord], new_marks: Mapping[int, str],
+                           faults: Dict[int, int], marked: int, config: InProcessConfig,
+                           generations: Mapping[int, int]) -> Plan:
+    """Respawn-rank: nobody moves; the dead ranks' replacements take their places."""
+    iteration = previous.iteration + 1
+    return Plan(iteration, previous.assignment, faults, dict(previous.causes), marked,
+                _give_up_reason(iteration, previous.assignment, records, config), tuple(records),
+                {r: generations[r] for r in new_marks})
 
 
 def _give_up_reason(iteration: int, assignment: Assignment, records: Sequence[InterruptionRecord],

@@ -34,6 +34,10 @@ class RestartState:
     """What ended the previous iteration (empty in iteration 0)."""
     terminated_ranks: FrozenSet[int] = frozenset()
     """Initial ranks no longer in the job."""
+    respawned: FrozenSet[int] = frozenset()
+    """Active ranks whose processes are new in this iteration (ft_launcher's replacements of dead
+    ranks, under --ft-restart-policy respawn-rank): they hold none of the job's state yet, which
+    `nvrx_core.inprocess.roll_forward` brings them from a rank that kept its memory."""
     _atomic: Any = dataclasses.field(default=None, repr=False, compare=False)
     _group_created: Any = dataclasses.field(default=None, repr=False, compare=False)
     _gloo_timeout: Optional[float] = dataclasses.field(default=None, repr=False, compare=False)

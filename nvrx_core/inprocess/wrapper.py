@@ -33,6 +33,7 @@ from nvrx_core.inprocess.errors import (InProcessGaveUp, RankExcluded, RestartRe
                                         is_communication_error)
 from nvrx_core.inprocess.health_gate import HealthGate
 from nvrx_core.inprocess.interruption import MainThreadInterrupter
+from nvrx_core.inprocess import replacement
 from nvrx_core.inprocess.planning import ACTIVE, OUT, Plan, first_plan, next_plan
 from nvrx_core.inprocess.rank_assignment import Policy, default_policy, node_of
 from nvrx_core.inprocess.records import (ABORTED, COMPLETED, EXCLUDED, GAVE_UP, INTERRUPTED, REASSIGNED, RESTARTED,
@@ -106,6 +107,8 @@ class _Call:
         self.node = node_of(env, self.rank)
         self.events = ev.EventLog.from_env(source="inprocess")
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}
+        self.respawn = replacement.respawn_on(env)
+        self.replacing = self.respawn and replacement.incarnation(env) > 0
         self.completed = False
         self.coord = self.abort = self.interrupter = self.monitor = self.watchdogs = None
         self.state_client, self.state_sockets = None, set()
@@ -126,7 +129,14 @@ class _Call:
             protected = endpoint.port if self.clients.server is not None else None
             self.abort = AbortProcessGroups(IterationConnections(protected), self.config.empty_cuda_cache)
             self._connect_state_client()
-            self.nodes = self.coord.initial_barrier(self.node, self.world_size, self.config.barrier_timeout)
+            if self.replacing:
+                plan, self.nodes = replacement.join(self.coord, self.world_size, self.config.respawn_timeout)
+                self.events.emit(replacement.REPLACEMENT_JOINED, iteration=plan.iteration)
+            else:
+                self.nodes = self.coord.initial_barrier(self.node, self.world_size, self.config.barrier_timeout)
+                plan = first_plan(self.nodes, self.config)
+            if self.respawn:
+                replacement.announce(os.environ, self.rank)
             # Objects that exist now (modules, torch internals) are not garbage from a failed
             # iteration: keep them out of the full collection every restart runs (0.2-0.7 s).
             gc.freeze()
@@ -134,7 +144,7 @@ class _Call:
             self.interrupter = MainThreadInterrupter(self.config.signal_number("interrupt_signal"))
             self.interrupter.install()
             self.monitor = self.watchdogs.start(self.interrupter, self.abort, self.events)
-            return self._loop(first_plan(self.nodes, self.config), args, kwargs)
+            return self._loop(plan, args, kwargs)
         except BaseException as e:
             self._leave_abnormally(e)
             raise
@@ -217,6 +227,9 @@ class _Call:
         self.abort.connections.begin()
         self.abort.connections.adopt(self.state_sockets)
         self.monitor.begin_iteration(k, plan.members(), plan.marked)
+        restart = replacement.wait_for_replacements(self.coord, plan, self.config.respawn_timeout)
+        if restart is not None:
+            return Cause.PEER_INTERRUPTED, RestartRequested(restart)
         if role != ACTIVE:
             return self._wait(plan, deadline=None)
         state = self._state(plan)
@@ -258,6 +271,7 @@ class _Call:
             initial_rank=self.rank, initial_world_size=self.world_size, local_rank=self.local_rank,
             store=store, store_prefix=prefix, previous_interruptions=plan.previous,
             terminated_ranks=frozenset(plan.causes), _atomic=self.interrupter.atomic,
+            respawned=frozenset(plan.assignment.active[r] for r in plan.awaiting) - {None},
             _group_created=self.abort.hold_current,
             _gloo_timeout=(self.config.soft_timeout + self.config.hard_timeout) / 2,
         )
@@ -307,33 +321,32 @@ class _Call:
             raise RankExcluded(f"rank {self.rank} failed its health check after iteration {k}")
         self._connect_state_client()  # the abort shut the last one down; the barrier absorbs a slow connect
         self.coord.arrive(k)
-        _, marks = self.coord.wait_for_members(
+        self.coord.wait_for_members(
             k, plan.members(), plan.marked, self.config.barrier_timeout, self.config.heartbeat_timeout,
             self.config.heartbeat_interval, on_lost=lambda r: self._declare_lost(k, r))
-        marks = self._last_call(left_at, marks)
-        winning = self.coord.propose_plan(k, self._proposal(plan, marks))
+        self._last_call(left_at)
+        marks, marked = self.coord.terminations()
+        winning = self.coord.propose_plan(k, self._proposal(plan, marks, marked))
         new_plan = Plan.from_json(winning, self.nodes)
+        replacement.publish(self.coord, new_plan)
         self.abort.release()
         self.events.emit(REASSIGNED, iteration=new_plan.iteration, rank_now=new_plan.assignment.active[self.rank],
                          world_size=new_plan.assignment.world_size, out=sorted(new_plan.causes),
                          reserves=len(new_plan.assignment.reserves()))
         return new_plan
 
-    def _last_call(self, left_at: float, marks: Dict[int, str]) -> Dict[int, str]:
-        """Wait out last_call_wait (counted from leaving the iteration), then re-read terminations.
-
-        A rank dying just after the fault (its node going down with it) is then left out of
-        this plan rather than ending the next iteration at once.
-        """
+    def _last_call(self, left_at: float) -> None:
+        """Wait out last_call_wait (counted from leaving the iteration) before the plan reads
+        the terminations: a rank dying just after the fault (its node going down with it) is
+        then left out of this plan rather than ending the next iteration at once."""
         remaining = self.config.last_call_wait - (time.monotonic() - left_at)
-        if remaining <= 0:
-            return marks
-        time.sleep(remaining)
-        return self.coord.terminated()
+        if remaining > 0:
+            time.sleep(remaining)
 
-    def _proposal(self, plan: Plan, marks: Dict[int, str]) -> str:
+    def _proposal(self, plan: Plan, marks: Dict[int, str], marked: int) -> str:
         records = self.coord.records(plan.iteration)
-        return next_plan(plan, records, marks, self.config, self.policy).to_json()
+        generations = replacement.generations(self.coord, marks, plan.causes) if self.respawn else None
+        return next_plan(plan, records, marks, self.config, self.policy, marked, generations).to_json()
 
     def _classify(self, plan: Plan, cause: Optional[Cause], error: Optional[BaseException]) -> Tuple[Cause, str]:
         """Record why this rank left the iteration, unless the monitor already did."""
