@@ -245,20 +245,25 @@ class Coordinator:
     def wait_for_members(self, iteration: int, members: Iterable[int], terminated_base: int, timeout: float,
                          heartbeat_timeout: float, heartbeat_interval: float,
                          on_lost: Callable[[int], None]) -> Tuple[Set[int], Dict[int, str]]:
-        """Wait until each member of `iteration` has arrived or is declared terminated.
+        """Wait until each member of `iteration` has arrived or is declared terminated, or
+        another rank has made the next plan already.
 
+        The last: a rank that saw the barrier complete made the plan, and a replacement it
+        awaits may have taken a dead member's place since (respawn-rank): that member is then
+        neither terminated nor arrived, and only the plan ends the wait.
         Members silent for heartbeat_timeout are declared lost (on_lost(rank) does it).
         Returns (arrived, terminated-so-far).
         """
         members = set(members)
         deadline, poller = time.monotonic() + timeout, Poller()
         watch, next_scan = HeartbeatWatch(blind_after=blind_gap(heartbeat_interval)), 0.0
+        planned = self.key(f"it{iteration}", "plan")
         while True:
             arrivals = self.store.add(self.key(f"it{iteration}", "arrive"), 0)
             new_terms = self.terminated_count() - terminated_base
             if arrivals + new_terms >= len(members):
                 arrived, terminated = self.arrived(iteration), self.terminated()
-                if members <= arrived | set(terminated):
+                if members <= arrived | set(terminated) or self.store.check([planned]):
                     return arrived, terminated
             now = time.monotonic()
             if now > deadline:
