@@ -119,9 +119,12 @@ def main(argv=None) -> int:
     else:
         committed["step"] = 0
     log = open(os.path.join(args.workdir, f"steps.rank{rank}"), "a", buffering=1)
+    # Without respawn-rank the launcher restarts every rank when one dies: the Wrapper then
+    # makes no restart of its own (max_iterations=1), or the others would train on shrunk.
+    respawning = os.environ.get("NVRX_RESTART_POLICY") == "respawn-rank"
     wrapper = Wrapper(soft_timeout=args.soft_timeout, hard_timeout=args.soft_timeout + 10,
                       heartbeat_interval=0.5, heartbeat_timeout=10, monitor_interval=0.05,
-                      barrier_timeout=60, respawn_timeout=30)
+                      barrier_timeout=60, respawn_timeout=30, max_iterations=None if respawning else 1)
 
     @wrapper
     def train(state: RestartState):

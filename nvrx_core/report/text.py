@@ -5,6 +5,7 @@ from typing import List, Optional
 from nvrx_core.report.events_file import Events
 from nvrx_core.report.goodput import CATEGORIES, Goodput
 from nvrx_core.report.incidents import Incident
+from nvrx_core.report.respawns import Respawn, describe_respawn
 
 
 def _s(value: Optional[float]) -> str:
@@ -51,13 +52,16 @@ def describe_goodput(g: Optional[Goodput]) -> List[str]:
             f"  where the time went: {parts}"]
 
 
-def render(loaded: Events, incidents: List[Incident], g: Optional[Goodput]) -> str:
+def render(loaded: Events, incidents: List[Incident], g: Optional[Goodput], respawns: List[Respawn] = ()) -> str:
     lines = [f"nvrx report: {', '.join(loaded.paths)} ({len(loaded.events)} events"
              + (f"; {len(loaded.problems)} lines with problems, listed at the end)" if loaded.problems else ")")]
     lines += describe_goodput(g)
     lines.append(f"incidents: {len(incidents)}")
     for incident in incidents:
         lines += describe_incident(incident)
+    if respawns:
+        lines.append(f"respawns: {len(respawns)}")
+        lines += ["  " + describe_respawn(r) for r in respawns]
     if loaded.problems:
         lines.append("problems:")
         lines += ["  " + p.describe() for p in loaded.problems]
