@@ -69,6 +69,7 @@ FIELDS = [
     ("empty_cuda_cache", False, "empty_cuda_cache", False),
     ("max_rank_faults", 2, "max_rank_faults", 2),
     ("monitor_process_logdir", "/tmp/nvrx-monitor-logs", "monitor_log_dir", "/tmp/nvrx-monitor-logs"),
+    ("respawn_timeout", 45.0, "respawn_timeout", 45.0),                   # ours, after Bridge's fields
 ]
 
 

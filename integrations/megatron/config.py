@@ -210,6 +210,10 @@ class InProcessRestartConfig:
     """Directory for the monitor processes' logs (one file per rank); a relative path is taken
     from the current directory. None: no log file."""
 
+    respawn_timeout: float = 60.0
+    """(nvrx-suite) Under `ft_launcher --ft-restart-policy respawn-rank`: how long the other ranks
+    wait for the replacement of a dead rank before they give up and every rank restarts."""
+
     def __post_init__(self) -> None:
         _enums_to_values(self)
         self.to_inprocess_config()

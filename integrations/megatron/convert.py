@@ -218,6 +218,7 @@ def inprocess_config(config: Any, **overrides: Any) -> InProcessConfig:
             "monitor_process_interval": values["monitor_process_interval"],
             "progress_watchdog_interval": values["progress_watchdog_interval"],
             "last_call_wait": values["last_call_wait"],
+            "respawn_timeout": values["respawn_timeout"],
         }
         return build(InProcessConfig, core, overrides, source="overrides")
 
