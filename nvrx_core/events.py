@@ -59,6 +59,8 @@ NODE_LOST = "node_lost"  # a node's agent stopped its rendezvous heartbeat; its 
 SPARE_WAITING = "spare_waiting"  # a node found the round full and waits as a hot spare
 SPARE_ACTIVATED = "spare_activated"  # a spare took the slot (group rank) of a lost node
 WORKLOAD_REQUEST = "workload_request"  # a rank asked the launcher to stop the job or leave it at the next failure
+RANK_RESPAWNED = "rank_respawned"  # respawn-rank: a dead worker replaced in place, its peers kept running
+RESPAWN_DECLINED = "respawn_declined"  # respawn-rank: a dead worker not replaced (reason); every worker restarts
 
 
 def new_launcher_id() -> str:

@@ -53,6 +53,11 @@ class ExitCode(enum.IntEnum):
     launcher leaves the job; the other nodes go on without it (a hot spare takes its place)."""
 
 
+TERMINAL_EXIT_CODES = frozenset({
+    ExitCode.RERUN_RESUME_ELSEWHERE, ExitCode.RERUN_VALIDATION_FAILED, ExitCode.PREEMPTED, ExitCode.STRAGGLER_STOP,
+})
+"""A worker's exit codes that ask for the job to stop: ft_launcher neither restarts nor respawns it."""
+
 PREEMPTED_EXIT_CODE_ENV = "NVRX_PREEMPTED_EXIT_CODE"
 """When set, ft_launcher ends a preempted job (PREEMPTED) with this code instead: the one
 place the table is mapped to a scheduler template's own convention (NeMo-Run's Slurm

@@ -3,7 +3,8 @@
 ft_launcher extends torchrun and torch.distributed.elastic through names that are not
 public API: torchrun's argument parser and config builder, the elastic agent's protected
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
-restarts, the processes of its workers. The in-process Wrapper lists every process group
+restarts, the processes of its workers (and, under respawn-rank, the process context through
+which one dead worker is replaced in place). The in-process Wrapper lists every process group
 through c10d's private registry and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
 C++ reference count to know when gloo's thread has let go of it. A torch release may rename or drop any
 of them; the symptom would then be a launcher that silently stops restarting, an abort
@@ -12,7 +13,11 @@ is first needed and raises TorchCompatError naming the torch version, the missin
 the versions nvrx-suite was tested with.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import dataclasses
+import inspect
+import os
+import tempfile
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -98,6 +103,108 @@ def worker_exits(agent: Any) -> Dict[int, Tuple[int, Optional[int]]]:
     if started is None:
         return {}
     return {local_rank: (p.pid, p.exitcode) for local_rank, p in enumerate(require(started, "processes", purpose))}
+
+
+# ---- one worker replaced in place (nvrx_core.ft.respawn) ------------------------------------
+
+ELASTIC_WRAP_PARAMETERS = ("local_rank", "fn", "args", "envs", "stdout_redirects", "stderr_redirects", "ret_vals",
+                           "queue_finished_reading_event", "numa_options")
+"""What torch.distributed.elastic's `_wrap` (a warm start's worker body) takes, in order."""
+SPAWN_WRAP_PARAMETERS = ("fn", "i", "args", "error_file")
+"""What torch.multiprocessing's `_wrap` (the process target around it) takes, in order."""
+_RESPAWN = "replacing one dead worker in place (--ft-restart-policy respawn-rank)"
+
+
+def _wrap_functions() -> Tuple[Callable, Callable]:
+    """(torch.multiprocessing.spawn._wrap, torch.distributed.elastic.multiprocessing.api._wrap),
+    checked to take what torch's own start passes them."""
+    import importlib
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    spawn = importlib.import_module("torch.multiprocessing.spawn")  # the package's `spawn` is a function
+    found = []
+    for module, expected in ((spawn, SPAWN_WRAP_PARAMETERS), (api, ELASTIC_WRAP_PARAMETERS)):
+        wrap = require(module, "_wrap", _RESPAWN)
+        takes = tuple(inspect.signature(wrap).parameters)
+        if takes != expected:
+            raise TorchCompatError(f"{module.__name__}._wrap{expected} (its _wrap takes {takes})", _RESPAWN)
+        found.append(wrap)
+    return found[0], found[1]
+
+
+def check_worker_respawn() -> None:
+    """Fail at import of nvrx_core.ft.respawn, not at a worker's death, if the functions a
+    replacement runs changed."""
+    _wrap_functions()
+
+
+@dataclasses.dataclass
+class WorkerProcesses:
+    """A warm start's workers, as torch's MultiprocessContext holds them: the live objects that
+    replacing one worker changes, and what starting one as torch did takes."""
+
+    processes: list
+    """ProcessContext.processes: the worker process of each local rank (index)."""
+    sentinels: dict
+    """ProcessContext.sentinels {sentinel: local rank}: the workers torch's poll still waits on."""
+    error_files: list
+    """ProcessContext.error_files: where each worker's process target writes its traceback."""
+    ret_vals: dict
+    """{local rank: SimpleQueue}: each worker's return value (torch's poll reads them)."""
+    returned: dict
+    """{local rank: value}: the return values torch's poll collected already."""
+    context: Any
+    """The multiprocessing context the workers came from (the warm fork server)."""
+    entrypoint: Callable
+    args: dict
+    envs: dict
+    stdouts: dict
+    stderrs: dict
+    finished: Any
+    """The event a worker waits on after returning, until every worker returned."""
+    numa_options: Any
+
+
+def worker_processes(agent: Any) -> WorkerProcesses:
+    """The running workers of a LocalElasticAgent that started them as functions (warm start)."""
+    import multiprocessing
+
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    pcontext = require(agent, "_pcontext", _RESPAWN)
+    if not isinstance(pcontext, MultiprocessContext):
+        raise TorchCompatError(f"MultiprocessContext workers (got {type(pcontext).__name__})",
+                               _RESPAWN + ": needs the warm fork server's workers")
+    started = require(pcontext, "_pc", _RESPAWN)
+    if started is None:
+        raise TorchCompatError("MultiprocessContext._pc (the started processes)", _RESPAWN)
+    return WorkerProcesses(
+        processes=require(started, "processes", _RESPAWN), sentinels=require(started, "sentinels", _RESPAWN),
+        error_files=require(started, "error_files", _RESPAWN), ret_vals=require(pcontext, "_ret_vals", _RESPAWN),
+        returned=require(pcontext, "_return_values", _RESPAWN),
+        context=multiprocessing.get_context(require(pcontext, "start_method", _RESPAWN)),
+        entrypoint=pcontext.entrypoint, args=pcontext.args, envs=pcontext.envs, stdouts=pcontext.stdouts,
+        stderrs=pcontext.stderrs, finished=require(pcontext, "_worker_finished_event", _RESPAWN),
+        numa_options=require(pcontext, "_numa_options", _RESPAWN))
+
+
+def start_worker_process(workers: WorkerProcesses, local_rank: int, envs: Dict[int, Dict[str, str]]) -> Tuple[Any, str]:
+    """Start a new process for `local_rank` as torch started the first (the same targets and
+    arguments, from the same fork server) with `envs` for torch's per-worker variables, and
+    a fresh return-value queue and traceback file: (process, traceback file). Installing it
+    in place of the dead one is the caller's (nvrx_core.ft.respawn)."""
+    spawn_wrap, elastic_wrap = _wrap_functions()
+    fd, error_file = tempfile.mkstemp(prefix="pytorch-errorfile-", suffix=".pickle")
+    os.close(fd)
+    os.unlink(error_file)  # torch's rule: the file exists only if the worker raised
+    workers.ret_vals[local_rank] = workers.context.SimpleQueue()
+    body = (workers.entrypoint, workers.args, envs, workers.stdouts, workers.stderrs, workers.ret_vals,
+            workers.finished, workers.numa_options)
+    process = workers.context.Process(target=spawn_wrap, args=(elastic_wrap, local_rank, body, error_file),
+                                      daemon=False)
+    process.start()
+    return process, error_file
 
 
 # ---- c10d ----------------------------------------------------------------------------------

@@ -14,11 +14,14 @@ subclass only hooks into its extension points:
 - stopping workers for a restart waits --workers-stop-timeout, not torch's fixed 30 s;
 - a stop signal from outside (the scheduler's preemption warning): forwarded to the workers
   as torch does, given torch's shutdown_timeout (--shutdown-timeout / --term-timeout, by
-  default --workers-stop-timeout), then their exits say whether they saved (ft/stop_signal.py).
+  default --workers-stop-timeout), then their exits say whether they saved (ft/stop_signal.py);
+- under respawn-rank (settings.respawn), a dead worker replaced in place while the others run
+  (ft/respawn.py): one WorkerRespawner per cycle, stopped before any worker is.
 """
 
 import dataclasses
 import logging
+import os
 import pickle
 import signal
 import time
@@ -30,23 +33,20 @@ from torch.distributed.elastic.agent.server.api import DEFAULT_ROLE, RunResult, 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 from nvrx_core import events as ev
-from nvrx_core.exit_codes import ExitCode
+from nvrx_core.exit_codes import TERMINAL_EXIT_CODES, ExitCode
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.process_groups import kill_process_groups
+from nvrx_core.ft.respawn import Respawned, RespawnPolicy, WorkerRespawner
+from nvrx_core.ft.respawn_marker import RESPAWN_DIR_ENV
 from nvrx_core.ft.stop_signal import SignalStop, StopSignals, handled_signals
 from nvrx_core.proc import ProcessHandle
-from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits
+from nvrx_core.torch_compat import check_agent_hooks, restarts_left, worker_exits, worker_processes
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
-# Worker exit codes that ask for the job to stop, not to be restarted in place.
-TERMINAL_EXIT_CODES = frozenset({
-    ExitCode.RERUN_RESUME_ELSEWHERE, ExitCode.RERUN_VALIDATION_FAILED,
-    ExitCode.PREEMPTED, ExitCode.STRAGGLER_STOP,
-})
+__all__ = ["AgentSettings", "FaultTolerantAgent", "LauncherStop", "TERMINAL_EXIT_CODES", "stopped_by_the_poll"]
 
 _WORKER_STORE_KEY = "nvrx/worker_store"
 HealthCheck = Callable[[], Tuple[bool, str]]
@@ -67,53 +67,8 @@ class AgentSettings:
     workers_stop_timeout: float = 15.0
     max_no_progress_restarts: int = 3
     health_checks: List[HealthCheck] = dataclasses.field(default_factory=list)
-
-
-class AgentStoreRendezvous(RendezvousHandler):
-    """Delegates to a torch rendezvous handler, but always lets workers use the agent's store.
-
-    The agent hosts each attempt's worker store (see FaultTolerantAgent._rendezvous); workers
-    must therefore connect as clients (TORCHELASTIC_USE_AGENT_STORE=True) whatever the
-    handler's own store sharing setting is.
-    """
-
-    def __init__(self, inner: RendezvousHandler):
-        self.inner = inner
-
-    def get_backend(self) -> str:
-        return self.inner.get_backend()
-
-    def next_rendezvous(self):
-        return self.inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        return self.inner.is_closed()
-
-    def set_closed(self):
-        return self.inner.set_closed()
-
-    def num_nodes_waiting(self) -> int:
-        return self.inner.num_nodes_waiting()
-
-    def get_run_id(self) -> str:
-        return self.inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        return self.inner.shutdown()
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
-
-    def finish(self) -> None:
-        """The job succeeded: a handler with waiting spares lets them exit 0."""
-        if hasattr(self.inner, "finish"):
-            self.inner.finish()
-
-    def stop_heartbeat(self) -> None:
-        """A handler with a heartbeat thread stops it before the launcher exits."""
-        if hasattr(self.inner, "stop_heartbeat"):
-            self.inner.stop_heartbeat()
+    respawn: Optional[RespawnPolicy] = None
+    """respawn-rank: replace a dead worker in place when this policy allows it (None: never)."""
 
 
 class FaultTolerantAgent(LocalElasticAgent):
@@ -139,6 +94,9 @@ class FaultTolerantAgent(LocalElasticAgent):
         """The stop signal this launcher received from outside, if any, and the workers' exits."""
         self.stop_signals = StopSignals(handled_signals())
         """Armed by the launcher before run(), released at its end."""
+        self._respawner: Optional[WorkerRespawner] = None
+        self._respawn_starts: List[float] = []
+        """When this node's replacements started (respawn-rank's budget spans restart cycles)."""
 
     # ---- start -----------------------------------------------------------------
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -210,7 +168,43 @@ class FaultTolerantAgent(LocalElasticAgent):
         self._hold_workers(by_rank)
         self.events.emit(ev.WORKERS_STARTED, cycle=self.attempt,
                          pids={str(w.global_rank): pids.get(w.local_rank) for w in worker_group.workers})
+        if self.settings.respawn is not None:
+            self._respawner = WorkerRespawner(
+                worker_processes(self), {w.local_rank: w.global_rank for w in worker_group.workers},
+                self.settings.respawn, os.environ.get(RESPAWN_DIR_ENV), self._respawn_starts, self._hung_pids,
+                self._replaced, self.events, self.attempt)
+            self._respawner.start()
         return pids
+
+    # ---- respawn-rank (ft/respawn.py) ---------------------------------------------
+    def _hung_pids(self) -> Optional[Set[int]]:
+        """The pids the node monitor took down as hung this cycle (None: it could not say)."""
+        try:
+            return set(self.monitor.cycle_stats().get("hung_pids", []))
+        except (MonitorLost, OSError, ValueError) as e:
+            logger.warning("could not ask the node monitor which ranks it killed as hung: %s", e)
+            return None
+
+    def _replaced(self, done: Respawned) -> None:
+        """A worker runs as a new process (under the respawner's lock): torch's poll checks its
+        workers' ids against the process context's pids, the node monitor adopts it if it
+        restarts, and the cycle's end kills its process group, as any worker's."""
+        self.get_worker_group().workers[done.local_rank].id = done.new_pid
+        self.monitor.worker_replaced(done.rank, done.new_pid)
+        self._worker_groups.add(done.new_pid)
+        old = self._worker_handles.pop(done.rank, None)
+        if old is not None:
+            old.close()
+        try:
+            self._worker_handles[done.rank] = ProcessHandle.open(done.new_pid)
+        except ProcessLookupError:
+            self._worker_handles[done.rank] = None
+
+    def _stop_respawner(self) -> None:
+        """No worker is replaced once the agent stops them: first of every stop, restart and end."""
+        if self._respawner is not None:
+            self._respawner.stop()  # a stop signal may cut it short: the next stop finishes it
+            self._respawner = None
 
     # ---- monitor / restart -----------------------------------------------------
     def _supervise_monitor(self) -> None:
@@ -222,6 +216,23 @@ class FaultTolerantAgent(LocalElasticAgent):
             raise LauncherStop(ExitCode.MONITOR_LOST, str(e)) from None
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        respawner = self._respawner
+        if respawner is None:
+            result, terminal = self._poll_workers(worker_group)
+        else:
+            with respawner.lock:  # a death is replaced before torch's poll could see it (ft/respawn.py)
+                respawner.handle_exits()
+                result, terminal = self._poll_workers(worker_group)
+                if result.state != WorkerState.HEALTHY:
+                    respawner.close()
+        if terminal:  # outside the lock: stopping the workers waits for the respawner's thread
+            self._stop_workers(worker_group)
+            raise LauncherStop(terminal[0], f"a worker exited with {ExitCode(terminal[0]).name}; not restarting")
+        return result
+
+    def _poll_workers(self, worker_group: WorkerGroup) -> Tuple[RunResult, List[int]]:
+        """torch's poll, and the failure it reports (once per cycle): (its result, the terminal
+        exit codes among the failed workers')."""
         self._supervise_monitor()
         running_before = {rank for rank, handle in self._worker_handles.items()
                           if handle is not None and not handle.exited()}
@@ -235,11 +246,8 @@ class FaultTolerantAgent(LocalElasticAgent):
             self.events.emit(ev.WORKERS_FAILED, cycle=self.attempt,
                              exit_codes={str(r): c for r, c in self.last_failures.items()},
                              stopped_ranks=stopped_by_the_poll(self.last_failures, running_before))
-            terminal = sorted({c for c in self.last_failures.values() if c in TERMINAL_EXIT_CODES})
-            if terminal:
-                self._stop_workers(worker_group)
-                raise LauncherStop(terminal[0], f"a worker exited with {ExitCode(terminal[0]).name}; not restarting")
-        return result
+            return result, sorted({c for c in self.last_failures.values() if c in TERMINAL_EXIT_CODES})
+        return result, []
 
     def _failed_without_a_readable_error(self, worker_group: WorkerGroup, error: Exception) -> RunResult:
         """A worker killed while it wrote its traceback for torch (the node monitor's kill of a
@@ -258,6 +266,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         return RunResult(state=WorkerState.FAILED, failures=failures)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        self._stop_respawner()
         stats = self._cycle_stats()
         if stats is not None:
             self._act_on_workload_requests(stats)
@@ -317,6 +326,7 @@ class FaultTolerantAgent(LocalElasticAgent):
         `timeout`: --workers-stop-timeout from _stop_workers (a restart); torch's run() passes
         its shutdown_timeout for a stop signal and at its end."""
         grace = self.shutdown_timeout if timeout is None else timeout
+        self._stop_respawner()
         super()._shutdown(death_sig, grace)
         stop = self.signal_stop
         if stop is not None and stop.exit_codes is None:
@@ -338,6 +348,7 @@ class FaultTolerantAgent(LocalElasticAgent):
             raise  # torch's run() forwards it to the workers: our _shutdown(e.sigval)
 
     def _stop_signal_received(self, sig: signal.Signals) -> None:
+        self._stop_respawner()  # a worker the signal ended is not replaced
         running = sorted(rank for rank, h in self._worker_handles.items() if h is not None and not h.exited())
         self.signal_stop = SignalStop(sig, running)
         grace = self.shutdown_timeout

@@ -39,7 +39,7 @@ from nvrx_core.ft.hang_evidence import HangEvidence
 from nvrx_core.ft.monitor_io import Conn, dump_size, peer_credentials, read_stacks, remove, report_stacks, stack_file
 from nvrx_core.ft.protocol import WORKLOAD_ACTIONS, ProtocolError, encode
 from nvrx_core.ft.timeouts import Timeouts
-from nvrx_core.ft.watch import RankWatch, apply_state, next_deadline, parse_adopt, reregister_grace
+from nvrx_core.ft.watch import RankWatch, apply_state, cycle_stats, next_deadline, parse_adopt, reregister_grace
 from nvrx_core.proc import ProcessHandle
 from nvrx_core.signals import ignore_stop_requests
 
@@ -343,16 +343,8 @@ class NodeMonitor:
                         sorted(w.rank for w in self._adopted.values()))
 
     def cycle_stats(self) -> dict:
-        """Progress made by the ranks of the current cycle (the launcher's no-progress check)."""
-        iterations = [w.max_iteration for w in self._cycle_watches if w.max_iteration is not None]
-        return {
-            "cycle": self.cycle,
-            "ranks": len(self._cycle_watches),
-            "heartbeats": sum(w.heartbeats for w in self._cycle_watches),
-            "section_ends": sum(w.section_ends for w in self._cycle_watches),
-            "max_iteration": max(iterations) if iterations else None,
-            "workload_requests": {str(w.rank): w.workload_request for w in self._cycle_watches if w.workload_request},
-        }
+        """What the ranks of the current cycle did (watch.cycle_stats): the launcher reads it."""
+        return cycle_stats(self.cycle, self._cycle_watches, list(self._adopted.values()))
 
     # ---- enforcement -----------------------------------------------------------
     def _watches(self):

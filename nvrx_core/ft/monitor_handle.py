@@ -115,6 +115,17 @@ class MonitorHandle:
             except OSError:
                 pass  # already gone: the agent sees it fail
 
+    def worker_replaced(self, rank: int, pid: int) -> None:
+        """Rank `rank` runs as `pid` from now on (respawn-rank replaced its dead process); the
+        other ranks' entries stay."""
+        old = self._workers.pop(rank, None)
+        if old is not None:
+            old.close()
+        try:
+            self._workers[rank] = ProcessHandle.open(pid)
+        except OSError:
+            pass  # already gone: the agent sees it fail
+
     def _release_workers(self) -> None:
         for handle in self._workers.values():
             handle.close()

@@ -48,6 +48,24 @@ class RankWatch:
     """Scheduled kill steps not yet run (cancelled when the rank's process has exited)."""
 
 
+def cycle_stats(cycle: int, watches: List[RankWatch], adopted: List[RankWatch]) -> dict:
+    """What the ranks of restart cycle `cycle` did (`watches`: its registrations; `adopted`: ranks
+    a restarted monitor waited for): progress for the launcher's no-progress check, the ranks'
+    workload requests, and the pids this monitor took down as hung (respawn-rank's policy never
+    replaces those: a hang goes through a restart of every rank)."""
+    iterations = [w.max_iteration for w in watches if w.max_iteration is not None]
+    return {
+        "cycle": cycle,
+        "ranks": len(watches),
+        "heartbeats": sum(w.heartbeats for w in watches),
+        "section_ends": sum(w.section_ends for w in watches),
+        "max_iteration": max(iterations) if iterations else None,
+        "workload_requests": {str(w.rank): w.workload_request for w in watches if w.workload_request},
+        "hung_pids": sorted({w.pid for w in watches if w.expired}
+                            | {w.pid for w in adopted if w.expired and w.cycle == cycle}),
+    }
+
+
 def next_deadline(w: RankWatch) -> Optional[Tuple[float, str]]:
     """The earliest moment `w` counts as hung, and why; None if nothing is enforced.
 
