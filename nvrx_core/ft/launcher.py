@@ -3,10 +3,10 @@
 Accepts every torchrun flag (it extends torch's own argument parser) plus the flags that
 nvidia-resiliency-ext and NeMo-Run users already write: --ft-<field> in dash, underscore
 and legacy --ft-param- spellings, --ft-cfg-path, --ignore-missing-fault-tol-cfg,
---ft-restart-policy, --workers-stop-timeout, --term-timeout. Every torchrun option reaches
-torch's agent as torchrun passes it (ft/torchrun_options.py says where each goes). All
-configuration is checked before any worker starts; a bad value ends the launcher with
-CONFIG_ERROR (2) and a message naming it.
+--ft-restart-policy (respawn-rank: ft/respawn.py), --workers-stop-timeout, --term-timeout.
+Every torchrun option reaches torch's agent as torchrun passes it (ft/torchrun_options.py says
+where each goes). All configuration is checked before any worker starts; a bad value ends the
+launcher with CONFIG_ERROR (2) and a message naming it.
 """
 
 import dataclasses
@@ -28,17 +28,19 @@ from nvrx_core import events as ev
 from nvrx_core.config import ConfigError, check
 from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV, ExitCode, describe
 from nvrx_core.ft import finished
-from nvrx_core.ft.agent import AgentSettings, AgentStoreRendezvous, FaultTolerantAgent, LauncherStop
+from nvrx_core.ft.agent import AgentSettings, FaultTolerantAgent, LauncherStop
+from nvrx_core.ft.agent_store import AgentStoreRendezvous
 from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.collective_trace import DEFAULT_BUFFER_ENTRIES
 from nvrx_core.ft import rendezvous as barrier
 from nvrx_core.ft import config_env
 from nvrx_core.ft.config import CONFIG_PATH_ENV, PEER_ONLY_FIELDS, FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle
+from nvrx_core.ft import respawn_options
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
 from nvrx_core.ft import torchrun_options
-from nvrx_core.ft.warm_start import (PRELOAD, environment_since_server_start, foreign_interpreter, run_target,
-                                     split_python_command, start_fork_server)
+from nvrx_core.ft.warm_start import (PRELOAD, RESPAWN_PRELOAD, environment_since_server_start, foreign_interpreter,
+                                     run_target, split_python_command, start_fork_server)
 from nvrx_core.proc import process_start_time
 from nvrx_core.torch_compat import FLIGHT_RECORDER_BUFFER_ENV, torchrun_cli
 
@@ -46,7 +48,7 @@ logger = logging.getLogger("nvrx.ft.launcher")
 
 get_args_parser, config_from_args, parse_min_max_nnodes = torchrun_cli()
 
-RESTART_POLICIES = ("any-failed", "min-healthy")
+RESTART_POLICIES = ("any-failed", "min-healthy", "respawn-rank")
 RDZV_IMPLS = ("barrier", "legacy")
 INFRA_RANK_SOURCES = ("SLURM_PROCID", "GROUP_RANK")
 
@@ -71,7 +73,8 @@ def build_parser():
                            help=_ft_flag_help(name))
     group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
                        dest="ft_restart_policy", default="any-failed", choices=RESTART_POLICIES,
-                       help="any-failed: restart every worker when any fails (the only policy on one node)")
+                       help="any-failed: restart every worker when any fails; respawn-rank: replace a dead worker "
+                       "in place if it ran the in-process Wrapper, else as any-failed (min-healthy: unsupported)")
     group.add_argument("--ft-rdzv-impl", "--ft-rdzv_impl", dest="ft_rdzv_impl", default="barrier", choices=RDZV_IMPLS,
                        help="barrier: --rdzv-backend c10d runs nvrx-suite's barrier rendezvous on the c10d store "
                        "(hot spares, ranks kept across restarts); legacy: torch's own c10d rendezvous")
@@ -83,6 +86,7 @@ def build_parser():
                        help="seconds to wait for workers to exit after SIGTERM before SIGKILL (also the "
                        "grace after a forwarded stop signal, unless --term-timeout / --shutdown-timeout)")
     torchrun_options.add_arguments(group)
+    respawn_options.add_arguments(group)
     group.add_argument("--max-no-progress-restarts", "--max_no_progress_restarts", type=int, default=3,
                        help="give up (exit %d) after this many consecutive restart cycles without progress; 0: never"
                        % ExitCode.NO_PROGRESS)
@@ -177,8 +181,9 @@ def load_health_check(spec: str):
 
 
 def check_args(args) -> AgentSettings:
-    check(args.ft_restart_policy == "any-failed", "--ft-restart-policy", args.ft_restart_policy,
-          "only 'any-failed' is supported (min-healthy needs spare nodes across a multi-node rendezvous)")
+    check(args.ft_restart_policy in ("any-failed", "respawn-rank"), "--ft-restart-policy", args.ft_restart_policy,
+          "only 'any-failed' and 'respawn-rank' are supported (min-healthy needs spare nodes across a multi-node "
+          "rendezvous)")
     check(args.workers_stop_timeout > 0, "--workers-stop-timeout", args.workers_stop_timeout, "must be > 0 seconds")
     check(args.max_no_progress_restarts >= 0, "--max-no-progress-restarts", args.max_no_progress_restarts,
           "must be >= 0")
@@ -201,6 +206,7 @@ def check_args(args) -> AgentSettings:
         workers_stop_timeout=args.workers_stop_timeout,
         max_no_progress_restarts=args.max_no_progress_restarts,
         health_checks=[load_health_check(s) for s in args.health_check],
+        respawn=respawn_options.policy_from_args(args, warm_start=warm_start_wanted(args)),
     )
 
 
@@ -278,6 +284,8 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
         config.start_method = "forkserver"
     if warm:
         extra = [m.strip() for m in args.warm_start_preload.split(",") if m.strip()]
+        if settings.respawn:
+            extra += RESPAWN_PRELOAD
         start_fork_server([*PRELOAD, *extra])  # a no-op when ft_launcher's command started it already
     params = torchrun_options.rendezvous_parameters(config)
     master_addr = master_port = None
@@ -294,6 +302,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     os.environ[MONITOR_SOCKET_ENV] = monitor.socket_path
     if events.path:
         os.environ[ev.EVENTS_FILE_ENV] = events.path
+    respawn_dir = respawn_options.prepare_workers_environment(os.environ) if settings.respawn else None
     if warm:  # what the environment gained since the fork server started reaches every worker
         spec.args = (json.dumps(environment_since_server_start()), *spec.args)
     agent = FaultTolerantAgent(spec=spec, **torchrun_options.agent_options(config),
@@ -342,6 +351,7 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
             handler.shutdown()
         handler.stop_heartbeat()
         monitor.stop()
+        respawn_options.remove_directory(respawn_dir)
         agent.stop_signals.release()
 
 

@@ -25,6 +25,10 @@ from nvrx_core.signals import STOP_REQUEST_SIGNALS
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
 PRELOAD = ("nvrx_core.ft.fork_server_signals", "torch", "torch.distributed", "torch._dynamo", "nvrx_core.ft.client")
 
+RESPAWN_PRELOAD = ("nvrx_core.inprocess",)
+"""Imported once more under --ft-restart-policy respawn-rank: its workers all run the Wrapper."""
+_RESTART_POLICY_FLAGS = ("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy")
+
 PYTHON_EXEC_ENV = "PYTHON_EXEC"
 """torchrun's choice of interpreter for the script (default: its own)."""
 
@@ -76,13 +80,21 @@ def early_preload(argv: Sequence[str]) -> Optional[List[str]]:
         return None
     if foreign_interpreter() is not None:
         return None
-    extra: List[str] = []
+    extra = [m.strip() for m in (_flag_value(argv, ("--warm-start-preload",)) or "").split(",") if m.strip()]
+    if _flag_value(argv, _RESTART_POLICY_FLAGS) == "respawn-rank":
+        extra += RESPAWN_PRELOAD
+    return [*PRELOAD, *extra]
+
+
+def _flag_value(argv: Sequence[str], names: Sequence[str]) -> Optional[str]:
+    """The last value given to any of `names` (`--flag value` or `--flag=value`), or None."""
+    found = None
     for i, arg in enumerate(argv):
-        if arg == "--warm-start-preload" and i + 1 < len(argv):
-            extra = argv[i + 1].split(",")
-        elif arg.startswith("--warm-start-preload="):
-            extra = arg.split("=", 1)[1].split(",")
-    return [*PRELOAD, *(m.strip() for m in extra if m.strip())]
+        if arg in names and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif "=" in arg and arg.split("=", 1)[0] in names:
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def foreign_interpreter(environ: Mapping[str, str] = os.environ) -> Optional[str]:
