@@ -64,6 +64,7 @@ def test_a_wrapper_worker_that_died_on_its_own_is_respawned():
     (dict(killed_as_hung=None), "could not say"),
     (dict(node_starts=[950.0, 990.0]), "budget is spent: 2 respawn(s)"),
     (dict(rank_starts=[997.5], node_starts=[997.5]), "died 2.5 s after its start"),
+    (dict(rank_starts=[997.5], node_starts=[997.5], runs_wrapper=False), "died 2.5 s after its start"),
 ])
 def test_each_rule_that_restarts_every_worker_says_why(kwargs, words):
     decision = rule(**kwargs)

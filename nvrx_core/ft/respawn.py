@@ -90,6 +90,10 @@ def decide(policy: RespawnPolicy, exit_code: int, runs_wrapper: bool, killed_as_
         return Decision(False, "the Wrapper gave up restarting in-process (exit 22): every rank restarts")
     if returned:
         return Decision(False, "it had returned its result already (it died waiting for the others to finish)")
+    # (before the announcement: a replacement that dies as it starts has not joined, nor announced, yet)
+    if rank_starts and now - rank_starts[-1] < policy.min_uptime_s:
+        return Decision(False, f"it was a replacement and died {now - rank_starts[-1]:.1f} s after its start "
+                        f"(min_uptime_s={policy.min_uptime_s:g})")
     if not runs_wrapper:
         return Decision(False, "the job does not use the Wrapper with respawn (this pid never announced itself)")
     if killed_as_hung is None:
@@ -100,9 +104,6 @@ def decide(policy: RespawnPolicy, exit_code: int, runs_wrapper: bool, killed_as_
     if len(recent) >= policy.max_respawns:
         return Decision(False, f"the respawn budget is spent: {len(recent)} respawn(s) on this node within "
                         f"{policy.window_s:g} s (max_respawns={policy.max_respawns})")
-    if rank_starts and now - rank_starts[-1] < policy.min_uptime_s:
-        return Decision(False, f"it was a replacement and died {now - rank_starts[-1]:.1f} s after its start "
-                        f"(min_uptime_s={policy.min_uptime_s:g})")
     return Decision(True, "a Wrapper worker died; its peers wait for its replacement")
 
 
