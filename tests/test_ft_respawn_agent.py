@@ -47,7 +47,7 @@ def rule(exit_code=-9, runs_wrapper=True, killed_as_hung=False, rank_starts=(), 
 
 def test_a_wrapper_worker_that_died_on_its_own_is_respawned():
     assert rule().respawn
-    assert rule(exit_code=1).respawn
+    assert rule(exit_code=-11).respawn                              # a segfault, as a SIGKILL (OOM killer)
     assert rule(rank_starts=[990.0], node_starts=[990.0]).respawn  # a replacement up for 10 s may die again
 
 
@@ -58,6 +58,7 @@ def test_a_wrapper_worker_that_died_on_its_own_is_respawned():
     (dict(exit_code=int(ExitCode.RERUN_RESUME_ELSEWHERE)), "RERUN_RESUME_ELSEWHERE"),
     (dict(exit_code=int(ExitCode.RERUN_VALIDATION_FAILED)), "RERUN_VALIDATION_FAILED"),
     (dict(exit_code=int(ExitCode.INPROCESS_GAVE_UP)), "the Wrapper gave up"),
+    (dict(exit_code=1), "exited 1: an error the Wrapper did not handle"),
     (dict(returned=True), "returned its result"),
     (dict(runs_wrapper=False), "does not use the Wrapper with respawn"),
     (dict(killed_as_hung=True), "killed it as hung"),

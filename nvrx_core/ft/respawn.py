@@ -94,6 +94,9 @@ def decide(policy: RespawnPolicy, exit_code: int, runs_wrapper: bool, killed_as_
     if rank_starts and now - rank_starts[-1] < policy.min_uptime_s:
         return Decision(False, f"it was a replacement and died {now - rank_starts[-1]:.1f} s after its start "
                         f"(min_uptime_s={policy.min_uptime_s:g})")
+    if exit_code > 0:
+        return Decision(False, f"it exited {exit_code}: an error the Wrapper did not handle in-process (only a "
+                        "process killed by a signal is replaced)")
     if not runs_wrapper:
         return Decision(False, "the job does not use the Wrapper with respawn (this pid never announced itself)")
     if killed_as_hung is None:
