@@ -120,6 +120,16 @@ def test_the_executor_environment_carries_what_nemo_runs_command_line_cannot(tmp
     assert (cfg.rank_out_of_section_timeout, cfg.rank_section_timeouts["step"]) == (90, 60)
 
 
+def test_restart_policy_reaches_the_launcher_through_the_environment(tmp_path, monkeypatch):
+    executor = _executor(tmp_path)
+    FaultTolerancePlugin().setup(_script(), executor)
+    assert "NVRX_FT_RESTART_POLICY" not in executor.env_vars                 # default: ft_launcher's own
+    FaultTolerancePlugin(restart_policy="respawn-rank").setup(_script(), executor)
+    monkeypatch.setenv("NVRX_FT_RESTART_POLICY", executor.env_vars["NVRX_FT_RESTART_POLICY"])
+    assert build_parser().parse_args(["train.py"]).ft_restart_policy == "respawn-rank"
+    assert build_parser().parse_args(["--ft-restart-policy", "any-failed", "train.py"]).ft_restart_policy == "any-failed"
+
+
 # ---- Partial tasks ------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -210,6 +220,7 @@ def test_a_megatron_config_without_the_handler_field_is_refused_before_the_execu
     (dict(rank_heartbeat_timeout=0), "rank_heartbeat_timeout=0"),
     (dict(calc_ft_timeouts="yes"), "calc_ft_timeouts='yes'"),
     (dict(rank_section_timeouts={"step": -5}), r"rank_section_timeouts\['step'\]=-5"),
+    (dict(restart_policy="respawn"), "restart_policy='respawn'"),
 ])
 def test_bad_fault_tolerance_fields_are_named(fields, message):
     with pytest.raises(ConfigError, match=message):

@@ -15,6 +15,7 @@ import signal
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from nvrx_core.config import ConfigError, check
+from nvrx_core.ft.respawn_marker import LAUNCHER_POLICY_ENV
 from nvrx_nemo_run import executor as ex
 from nvrx_nemo_run import script_args as sa
 from nvrx_nemo_run._compat import Plugin, require_nemo_run
@@ -39,7 +40,9 @@ class FaultTolerancePlugin(Plugin):
 
     Bridge's fields first. Ours: `rank_section_timeouts` ({"setup": s, "step": s,
     "checkpointing": s}) and `rank_out_of_section_timeout` (section-based detection),
-    `workload_check_interval`, `finished_flag_file` (local jobs; Slurm sets its own).
+    `workload_check_interval`, `finished_flag_file` (local jobs; Slurm sets its own),
+    `restart_policy` ("respawn-rank": replace only a dead rank whose job runs the in-process
+    Wrapper, docs/respawn.md; None: ft_launcher's default, every rank restarts).
     """
 
     enable_ft_package: bool = True
@@ -53,6 +56,7 @@ class FaultTolerancePlugin(Plugin):
     rank_out_of_section_timeout: Optional[float] = None
     workload_check_interval: Optional[float] = None
     finished_flag_file: Optional[str] = None
+    restart_policy: Optional[str] = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -68,6 +72,8 @@ class FaultTolerancePlugin(Plugin):
             _positive_or_none(getattr(self, field), f"{name}.{field}")
         check(self.rank_section_timeouts is None or isinstance(self.rank_section_timeouts, dict),
               f"{name}.rank_section_timeouts", self.rank_section_timeouts, "must be a dict of section -> seconds")
+        check(self.restart_policy in (None, "any-failed", "respawn-rank"), "restart_policy", self.restart_policy,
+              "must be None, 'any-failed' or 'respawn-rank' (ft_launcher --ft-restart-policy)")
         for section, seconds in (self.rank_section_timeouts or {}).items():
             _positive_or_none(seconds, f"{name}.rank_section_timeouts[{section!r}]")
         check(self.script_args_converter_fn is None or callable(self.script_args_converter_fn),
@@ -106,6 +112,8 @@ class FaultTolerancePlugin(Plugin):
             workload_check_interval=values["workload_check_interval"],
         )
         executor.retries = self.num_job_retries_on_failure
+        if self.restart_policy is not None:  # NeMo-Run writes ft_launcher's command line: the launcher reads this
+            executor.env_vars[LAUNCHER_POLICY_ENV] = self.restart_policy
         if kind is TaskKind.SCRIPT:
             converter = self.script_args_converter_fn or sa._default_fault_tolerance_converter
             _extend_script(target, list(converter(sa.FaultTolerancePluginScriptArgs(

@@ -72,7 +72,8 @@ def build_parser():
         group.add_argument(*sorted(spellings), dest=f"ft_{name}", default=None, metavar="VALUE",
                            help=_ft_flag_help(name))
     group.add_argument("--ft-restart-policy", "--ft-restart_policy", "--restart-policy", "--restart_policy",
-                       dest="ft_restart_policy", default="any-failed", choices=RESTART_POLICIES,
+                       dest="ft_restart_policy", default=respawn_options.default_policy(os.environ),
+                       choices=RESTART_POLICIES,
                        help="any-failed: restart every worker when any fails; respawn-rank: replace a dead worker "
                        "in place if it ran the in-process Wrapper, else as any-failed (min-healthy: unsupported)")
     group.add_argument("--ft-rdzv-impl", "--ft-rdzv_impl", dest="ft_rdzv_impl", default="barrier", choices=RDZV_IMPLS,
@@ -181,7 +182,8 @@ def load_health_check(spec: str):
 
 
 def check_args(args) -> AgentSettings:
-    check(args.ft_restart_policy in ("any-failed", "respawn-rank"), "--ft-restart-policy", args.ft_restart_policy,
+    check(args.ft_restart_policy in ("any-failed", "respawn-rank"), "--ft-restart-policy (or $NVRX_FT_RESTART_POLICY)",
+          args.ft_restart_policy,
           "only 'any-failed' and 'respawn-rank' are supported (min-healthy needs spare nodes across a multi-node "
           "rendezvous)")
     check(args.workers_stop_timeout > 0, "--workers-stop-timeout", args.workers_stop_timeout, "must be > 0 seconds")
@@ -303,6 +305,8 @@ def launch(args, settings: AgentSettings, ft_cfg: FTConfig, events: ev.EventLog)
     if events.path:
         os.environ[ev.EVENTS_FILE_ENV] = events.path
     respawn_dir = respawn_options.prepare_workers_environment(os.environ) if settings.respawn else None
+    if not settings.respawn:
+        respawn_options.clear_workers_environment(os.environ)
     if warm:  # what the environment gained since the fork server started reaches every worker
         spec.args = (json.dumps(environment_since_server_start()), *spec.args)
     agent = FaultTolerantAgent(spec=spec, **torchrun_options.agent_options(config),

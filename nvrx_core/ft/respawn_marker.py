@@ -18,6 +18,9 @@ from nvrx_core.durable import atomic_write_bytes
 
 RESTART_POLICY_ENV = "NVRX_RESTART_POLICY"
 """`respawn-rank` when the launcher replaces dead ranks (set in every worker's environment)."""
+LAUNCHER_POLICY_ENV = "NVRX_FT_RESTART_POLICY"
+"""ft_launcher's --ft-restart-policy when the flag is not given (NeMo-Run's FaultTolerancePlugin
+sets it: NeMo-Run writes the launcher's command line itself)."""
 RESPAWN_POLICY = "respawn-rank"
 RESPAWN_DIR_ENV = "NVRX_RESPAWN_DIR"
 """The launcher's private (0700) directory of announcements."""

@@ -12,11 +12,12 @@ private directory that lives as long as the launcher.
 import os
 import shutil
 import tempfile
-from typing import MutableMapping, Optional
+from typing import Mapping, MutableMapping, Optional
 
 from nvrx_core.config import check
 from nvrx_core.ft.respawn import RespawnPolicy
-from nvrx_core.ft.respawn_marker import INCARNATION_ENV, RESPAWN_DIR_ENV, RESPAWN_POLICY, RESTART_POLICY_ENV
+from nvrx_core.ft.respawn_marker import (INCARNATION_ENV, LAUNCHER_POLICY_ENV, RESPAWN_DIR_ENV, RESPAWN_POLICY,
+                                         RESTART_POLICY_ENV)
 
 
 def add_arguments(group) -> None:
@@ -40,6 +41,17 @@ def policy_from_args(args, warm_start: bool) -> Optional[RespawnPolicy]:
     check(warm_start, "--ft-restart-policy", RESPAWN_POLICY,
           "needs the warm fork server, and $PYTHON_EXEC names another interpreter (the workers start cold)")
     return RespawnPolicy(max_respawns=args.max_respawns, window_s=args.respawn_window)
+
+
+def default_policy(environ: Mapping[str, str]) -> str:
+    """--ft-restart-policy's default: $NVRX_FT_RESTART_POLICY, else any-failed."""
+    return environ.get(LAUNCHER_POLICY_ENV) or "any-failed"
+
+
+def clear_workers_environment(environ: MutableMapping[str, str]) -> None:
+    """Without the policy, no worker may believe in it (a variable inherited from outside)."""
+    for name in (RESTART_POLICY_ENV, RESPAWN_DIR_ENV, INCARNATION_ENV):
+        environ.pop(name, None)
 
 
 def prepare_workers_environment(environ: MutableMapping[str, str]) -> str:

@@ -19,6 +19,7 @@ import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from nvrx_core.ft import forked_server
+from nvrx_core.ft.respawn_marker import LAUNCHER_POLICY_ENV, RESPAWN_POLICY
 from nvrx_core.signals import STOP_REQUEST_SIGNALS
 
 # fork_server_signals first: the server ignores a job-wide stop signal from then on (its docstring).
@@ -81,7 +82,7 @@ def early_preload(argv: Sequence[str]) -> Optional[List[str]]:
     if foreign_interpreter() is not None:
         return None
     extra = [m.strip() for m in (_flag_value(argv, ("--warm-start-preload",)) or "").split(",") if m.strip()]
-    if _flag_value(argv, _RESTART_POLICY_FLAGS) == "respawn-rank":
+    if (_flag_value(argv, _RESTART_POLICY_FLAGS) or os.environ.get(LAUNCHER_POLICY_ENV)) == RESPAWN_POLICY:
         extra += RESPAWN_PRELOAD
     return [*PRELOAD, *extra]
 
