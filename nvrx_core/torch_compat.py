@@ -199,8 +199,13 @@ def start_worker_process(workers: WorkerProcesses, local_rank: int, envs: Dict[i
     os.close(fd)
     os.unlink(error_file)  # torch's rule: the file exists only if the worker raised
     workers.ret_vals[local_rank] = workers.context.SimpleQueue()
-    body = (workers.entrypoint, workers.args, envs, workers.stdouts, workers.stderrs, workers.ret_vals,
-            workers.finished, workers.numa_options)
+    # torch's worker body reads its own rank's entry of each: the other ranks' queues would be
+    # sent to the new process too, each descriptor through the fork server's resource sharer
+    def own(table: Dict[int, Any]) -> Dict[int, Any]:
+        return {local_rank: table[local_rank]}
+
+    body = (workers.entrypoint, own(workers.args), own(envs), own(workers.stdouts), own(workers.stderrs),
+            own(workers.ret_vals), workers.finished, workers.numa_options)
     process = workers.context.Process(target=spawn_wrap, args=(elastic_wrap, local_rank, body, error_file),
                                       daemon=False)
     process.start()

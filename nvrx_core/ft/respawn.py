@@ -155,6 +155,7 @@ class WorkerRespawner:
         self._retired: list = []
         """Replaced processes, kept until the watcher ends: dropping one would close its sentinel,
         which the watcher's current wait may still hold."""
+        self._group_kills: List[threading.Timer] = []
         self._closed = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._watch, name="nvrx-respawn-watcher", daemon=True)
@@ -180,6 +181,8 @@ class WorkerRespawner:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
             self._retired.clear()
+        for timer in self._group_kills:  # the agent kills every worker group now anyway
+            timer.cancel()
 
     def _wake(self) -> None:
         """Make the watcher look again (closed, or the process list changed)."""
@@ -276,7 +279,12 @@ class WorkerRespawner:
 
     def _replacement_started(self, local_rank: int, rank: int, old, new, code: int, seen: float) -> None:
         started = self._clock()
-        _kill_group(old.pid, new.pid)
+        # Not at once: the dead worker's in-process monitor (a child in its group) is declaring
+        # the death in the Wrapper's store, and a kill halfway through leaves a claim unfinished.
+        timer = threading.Timer(DEAD_GROUP_GRACE_S, _kill_group, (old.pid, new.pid))
+        timer.daemon = True
+        timer.start()
+        self._group_kills.append(timer)
         self._incarnations[local_rank] += 1
         self._rank_starts[local_rank].append(started)
         self._node_starts[:] = [t for t in self._node_starts if started - t < self._policy.window_s] + [started]
@@ -314,6 +322,10 @@ def _remove(path: Optional[str]) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+DEAD_GROUP_GRACE_S = 2.0
+"""How long what a dead worker started may outlive it before its group is killed."""
 
 
 def _kill_group(pgid: int, replacement: int) -> None:

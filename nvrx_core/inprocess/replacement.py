@@ -25,6 +25,7 @@ from nvrx_core.ft.respawn_marker import INCARNATION_ENV, RESPAWN_DIR_ENV, RESTAR
 from nvrx_core.inprocess.coordination import Coordinator, Poller
 from nvrx_core.inprocess.errors import InProcessGaveUp
 from nvrx_core.inprocess.planning import Plan
+from nvrx_core.inprocess.records import Cause
 
 logger = logging.getLogger("nvrx.inprocess")
 
@@ -65,6 +66,10 @@ def publish(coord: Coordinator, plan: Plan) -> None:
 def join(coord: Coordinator, world_size: int, timeout: float) -> Tuple[Plan, list]:
     """This process replaces its rank: (the plan of the iteration it joins, the node names)."""
     generation = coord.generation(coord.rank)
+    # The process replaced is dead (that is why this one runs). Its own monitor process says so
+    # too, but may be killed with its group before it does: said here, peers never wait for it.
+    coord.mark_terminated(coord.rank, Cause.EXITED, "its process died; the launcher started a replacement",
+                          generation=generation)
     iteration = coord.awaited_at(generation, timeout)
     nodes = coord.node_names(world_size)
     plan = Plan.from_json(coord.wait_for_plan(iteration - 1, timeout), nodes)
