@@ -16,7 +16,6 @@ equal the fault-free run's.
 """
 
 import argparse
-import glob
 import os
 import random
 import signal
@@ -26,15 +25,16 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(REPO, "examples", "respawn_ddp.py")
+from respawn import JOB, REPO, weights
+
 RANKS = 4
 
 
 def launch(workdir: str, steps: int, step_time: float, respawn: bool) -> subprocess.Popen:
     os.makedirs(workdir, exist_ok=True)
     cmd = [sys.executable, "-m", "nvrx_core.ft.command", "--nproc-per-node", str(RANKS), "--max-restarts", "1000",
-           "--monitor-interval", "0.1", "--max-no-progress-restarts", "0", "--events-file", os.path.join(workdir, "events.jsonl"),
+           "--monitor-interval", "0.1", "--max-no-progress-restarts", "0",
+           "--events-file", os.path.join(workdir, "events.jsonl"),
            *(["--ft-restart-policy", "respawn-rank", "--max-respawns", "1000"] if respawn else []),
            JOB, "--workdir", workdir, "--steps", str(steps), "--step-time", str(step_time)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
@@ -71,14 +71,6 @@ def soak(workdir: str, steps: int, args, respawn: bool) -> dict:
             next_fault = now + rng.expovariate(1.0 / args.mtbf)
         time.sleep(0.05)
     return {"code": proc.returncode, "wall": time.time() - started, "kills": kills, "weights": weights(workdir)}
-
-
-def weights(workdir: str) -> set:
-    found = set()
-    for path in glob.glob(os.path.join(workdir, "weights.rank*")):
-        with open(path) as f:
-            found.add(f.read())
-    return found
 
 
 def median_step(workdir: str) -> float:
