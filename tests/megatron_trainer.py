@@ -25,13 +25,13 @@ TIMEOUTS = {"heartbeats": HEARTBEATS, "sections": SECTIONS}
 ALL_ON = ["--straggler", "--rerun-mode", "validate_results", "--exit-signal-handler"]
 
 
-def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1):
+def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1, launcher_args=()):
     """One job of the trainer under ft_launcher: (launcher result, events, per-rank results, flag)."""
     root.mkdir(parents=True, exist_ok=True)
     flag = root / "finished.flag"
     result = run_launcher(
         ["--nproc-per-node", "2", "--max-restarts", str(restarts), "--events-file", str(root / "events.jsonl"),
-         *timeouts, TRAINER, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
+         *timeouts, *launcher_args, TRAINER, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
          "--enable-ft", "--result-dir", str(root), *trainer_args],
         timeout=300, env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
     results = [json.loads((root / f"result{r}.json").read_text())

@@ -39,6 +39,22 @@ def test_an_exception_recovers_in_process_in_the_same_processes(tmp_path, weight
     assert flag.exists()
 
 
+def test_under_respawn_rank_a_killed_rank_is_replaced_and_training_rolls_forward(tmp_path, weights):
+    """ft_launcher --ft-restart-policy respawn-rank: the killed rank's replacement takes the model,
+    AdamW state and iteration from rank 0 (roll_forward), not from the checkpoint; rank 0 keeps
+    its process; the weights are the fault-free run's."""
+    result, events, results, flag = train(tmp_path, HEARTBEATS, "--inprocess", "--kill-at", "1:55", restarts=0,
+                                          launcher_args=["--ft-restart-policy", "respawn-rank"])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert [(r["iteration"], r["cycle"], r["exit_code"]) for r in results] == [(ITERS, 0, 0)] * 2
+    assert all(r["weights"] == weights for r in results)
+    [respawned] = kinds(events, "rank_respawned")
+    assert respawned["rank"] == 1 and not kinds(events, "restart_begun")
+    started = kinds(events, "workers_started")
+    assert len(started) == 1 and started[0]["pids"]["0"] not in (respawned["old_pid"], respawned["new_pid"])
+    assert flag.exists()
+
+
 def test_a_30_percent_slower_rank_stops_every_rank_with_exit_19_after_a_checkpoint(tmp_path):
     result, events, results, flag = train(tmp_path, HEARTBEATS, "--straggler", "--straggler-stop-threshold", "0.85",
                                           "--slow-rank", "1:1.3", iters=1000)

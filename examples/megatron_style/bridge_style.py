@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from nvrx_core.durable import atomic_write_with
 from nvrx_core.exit_codes import ExitCode
+from nvrx_core.inprocess.replacement import respawn_on
+from nvrx_core.inprocess.roll_forward import roll_forward
 from nvrx_megatron import (FaultToleranceConfig, InProcessRestartConfig, NVRxStragglerDetectionConfig,
                            RerunStateMachineConfig)
 from nvrx_megatron import fault_tolerance
@@ -80,6 +82,10 @@ class GlobalState:
     nvrx_straggler_manager: Any = None
     exit_code: Optional[int] = None
     """What the last run ended with (0, or a stop's code); not on Bridge's GlobalState."""
+    kept: Any = None
+    """Under ft_launcher --ft-restart-policy respawn-rank: (model, optimizer, committed iteration),
+    kept across in-process restarts, which roll forward instead of reloading the checkpoint
+    (not on Bridge's GlobalState)."""
 
     def reset_for_restart(self) -> None:
         """Before an in-process restart calls the training function again (Bridge's name): the
@@ -124,13 +130,14 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
         fault_tolerance.maybe_setup_simulated_fault(cfg.ft)
     else:
         cfg.ft = None                          # the hooks are no-ops, as in Bridge
-    torch.manual_seed(cfg.train.seed)
-    model = model_provider().to(_device())
-    for p in model.parameters():               # every rank starts from rank 0's weights
-        dist.broadcast(p.data, src=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rerun = _rerun_machine(cfg)
-    start = _load_checkpoint(cfg, state, model, optimizer, rerun)
+    restart = inprocess.get("inprocess_call_wrapper")
+    if restart is not None and respawn_on(os.environ):
+        model, optimizer, start = _roll_forward(cfg, state, model_provider, rerun, restart)
+    else:
+        model, optimizer = _build(cfg, model_provider)
+        start = _load_checkpoint(cfg, state, model, optimizer, rerun)
+    atomic = restart.atomic if restart is not None else contextlib.nullcontext
     data = data_iterator_provider(start)
     if rerun is not None:                      # a rerun replays the step's microbatches
         from nvrx_megatron.rerun_state_machine import RerunDataIterator
@@ -138,7 +145,7 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
         data = RerunDataIterator(data)
 
     straggler = _straggler_manager(cfg, state)
-    train_step = functools.partial(_train_step, cfg=cfg, straggler=straggler)
+    train_step = functools.partial(_train_step, cfg=cfg, straggler=straggler, state=state, atomic=atomic)
     if straggler is not None:
         train_step = straggler.wrap_train_step_function(train_step)
     signals = _signal_handler(cfg)
@@ -147,7 +154,6 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
         while state.train_state.step < cfg.train.train_iters:
             fault_tolerance.on_training_step_start(state)
             loss = train_step(forward_step_func, data, model, optimizer, rerun)
-            state.train_state.step += 1
             fault_tolerance.on_training_step_end(state)
             if state.train_state.step % cfg.checkpoint.save_interval == 0:
                 _save_checkpoint(cfg, state, model, optimizer, rerun)
@@ -176,8 +182,32 @@ def _train(state: GlobalState, forward_step_func, model_provider, data_iterator_
     return exit_code
 
 
-def _train_step(forward_step_func, data, model, optimizer, rerun, cfg, straggler) -> float:
-    """One iteration; the rerun state machine may ask to run the forward/backward again."""
+def _build(cfg, model_provider, sync: bool = True):
+    torch.manual_seed(cfg.train.seed)
+    model = model_provider().to(_device())
+    for p in model.parameters() if sync else ():  # every rank starts from rank 0's weights
+        dist.broadcast(p.data, src=0)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _roll_forward(cfg, state, model_provider, rerun, restart):
+    """respawn-rank (docs/respawn.md): the model and optimizer live as long as the process; a
+    restart takes the newest committed iteration from the ranks that kept theirs (a replacement
+    of a dead rank holds none) instead of the checkpoint, and nothing is redone."""
+    if state.kept is None:                     # this process's first call
+        fresh = restart.rank in restart.respawned  # alone in its first call: roll_forward syncs it
+        model, optimizer = _build(cfg, model_provider, sync=not fresh)
+        committed = None if fresh else _load_checkpoint(cfg, state, model, optimizer, rerun)
+        state.kept = [model, optimizer, committed]
+    model, optimizer, committed = state.kept
+    state.kept[2] = state.train_state.step = roll_forward(restart, committed, {"model": model, "optimizer": optimizer})
+    return model, optimizer, state.train_state.step
+
+
+def _train_step(forward_step_func, data, model, optimizer, rerun, cfg, straggler, state, atomic) -> float:
+    """One iteration; the rerun state machine may ask to run the forward/backward again. The
+    optimizer step and the iteration count are one unit: a restart never finds one without the
+    other."""
     loss_value = float("nan")
     while rerun is None or rerun.should_run_forward_backward(data):
         optimizer.zero_grad(set_to_none=True)
@@ -194,7 +224,11 @@ def _train_step(forward_step_func, data, model, optimizer, rerun, cfg, straggler
         if should_exit:
             raise StopTraining(exit_code, "rerun state machine verdict", checkpoint=should_checkpoint)
     _finalize_model_grads(model, straggler)
-    optimizer.step()
+    with atomic():
+        optimizer.step()
+        state.train_state.step += 1
+        if state.kept is not None:
+            state.kept[2] = state.train_state.step
     return loss_value
 
 

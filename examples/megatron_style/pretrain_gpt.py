@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import os
+import signal
 import sys
 import time
 from typing import List, Optional
@@ -69,15 +70,21 @@ class LossFaults:
     computation gets (a transient fault), an exception once (in-process restart), a longer
     step (a slow rank). The object outlives an in-process restart, so a one-off stays one-off."""
 
-    def __init__(self, nan_at=-1, transient_nan_at=-1, spike_at=-1, raise_at=-1, step_time=0.0, slowdown=1.0):
+    def __init__(self, nan_at=-1, transient_nan_at=-1, spike_at=-1, raise_at=-1, step_time=0.0, slowdown=1.0,
+                 kill_at=-1, kill_marker=None):
         self.nan_at, self.transient_nan_at, self.spike_at = nan_at, transient_nan_at, spike_at
         self.raise_at, self.step_time, self.slowdown = raise_at, step_time, slowdown
+        self.kill_at, self.kill_marker = kill_at, kill_marker
         self._struck = set()
 
     def maybe_raise(self, iteration: int) -> None:
         if iteration == self.raise_at and "raise" not in self._struck:
             self._struck.add("raise")
             raise RuntimeError(f"injected exception at iteration {iteration}")
+        if iteration == self.kill_at and self.kill_marker and not os.path.exists(self.kill_marker):
+            os.makedirs(os.path.dirname(self.kill_marker), exist_ok=True)
+            open(self.kill_marker, "w").close()  # once per run: a replacement process must not strike again
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def loss(self, loss: torch.Tensor, iteration: int) -> torch.Tensor:
         if iteration == self.nan_at:
@@ -136,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--transient-nan-at", default="", metavar="RANK:ITER", help="a NaN loss once (not on a rerun)")
     p.add_argument("--spike-at", default="", metavar="RANK:ITER", help="a loss 1000x too large once")
     p.add_argument("--raise-at", default="", metavar="RANK:ITER", help="an exception in that forward, once")
+    p.add_argument("--kill-at", default="", metavar="RANK:ITER", help="SIGKILL that rank in that forward, once")
     p.add_argument("--step-time", type=float, default=0.0, help="seconds each forward takes at least")
     p.add_argument("--slow-rank", default="", metavar="RANK:FACTOR", help="that rank's forward takes FACTOR times longer")
     p.add_argument("--exit-signal-handler", action="store_true")
@@ -178,7 +186,8 @@ def main(argv=None) -> int:
     cfg = apply_overrides(build_config(args), args.overrides)
     faults = LossFaults(nan_at=_on_rank(args.nan_at) or -1, transient_nan_at=_on_rank(args.transient_nan_at) or -1,
                         spike_at=_on_rank(args.spike_at) or -1, raise_at=_on_rank(args.raise_at) or -1,
-                        step_time=args.step_time, slowdown=_on_rank(args.slow_rank, float) or 1.0)
+                        step_time=args.step_time, slowdown=_on_rank(args.slow_rank, float) or 1.0,
+                        kill_at=_on_rank(args.kill_at) or -1, kill_marker=os.path.join(args.save, "killed"))
     return train_tiny_gpt(cfg, faults, args.result_dir)
 
 
