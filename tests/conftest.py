@@ -27,6 +27,9 @@ SLOWEST_FILES_FIRST = (
     "test_ft_safety_net.py",             # 53
     "test_megatron_trainer_all_on.py",   # 51
     "test_straggler_dist.py",            # 38
+    "test_respawn.py",                   # ~30 (5 respawn-rank jobs under ft_launcher)
+    "test_ft_respawn_agent.py",          # ~28
+    "test_inprocess_replacement.py",     # ~20
     "test_lightning_preemption.py",      # 34
     "test_inprocess_return_race.py",     # 34
     "test_checkpoint_multirank.py",      # 34

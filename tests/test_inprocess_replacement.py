@@ -22,11 +22,12 @@ from nvrx_core.inprocess.replacement import wait_for_replacements
 from nvrx_core.inprocess.roll_forward import _flatten, roll_forward
 
 STEPS = "40"
+FAST = ("--steps", STEPS, "--step-time", "0.02")   # the steps' padding only sleeps: same data, same weights
 
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory):
-    result = replacing_ranks.run(str(tmp_path_factory.mktemp("fault_free")), "--steps", STEPS)
+    result = replacing_ranks.run(str(tmp_path_factory.mktemp("fault_free")), *FAST)
     weights = result.weights()
     assert len(weights) == 4 and len(set(weights.values())) == 1, weights
     return weights[0]
@@ -45,7 +46,7 @@ def check_rolled_forward(result, fault_free, killed_ranks):
 
 
 def test_a_killed_rank_is_replaced_alone_and_training_rolls_forward(tmp_path, fault_free):
-    result = replacing_ranks.run(str(tmp_path), "--steps", STEPS, "--fault", "kill:2:15")
+    result = replacing_ranks.run(str(tmp_path), *FAST, "--fault", "kill:2:15")
     check_rolled_forward(result, fault_free, killed_ranks={2})
     assert result.respawns == 1
     [killed] = result.kill_times()
@@ -54,7 +55,7 @@ def test_a_killed_rank_is_replaced_alone_and_training_rolls_forward(tmp_path, fa
 
 
 def test_two_ranks_killed_50ms_apart(tmp_path, fault_free):
-    result = replacing_ranks.run(str(tmp_path), "--steps", STEPS, "--fault", "kill:1:12",
+    result = replacing_ranks.run(str(tmp_path), *FAST, "--fault", "kill:1:12",
                                  "--fault", "kill:3:12:0.05")
     check_rolled_forward(result, fault_free, killed_ranks={1, 3})
     assert result.respawns == 2
@@ -63,14 +64,14 @@ def test_two_ranks_killed_50ms_apart(tmp_path, fault_free):
 @pytest.mark.parametrize("who", [0, 3], ids=["the_serving_rank", "a_receiving_survivor"])
 def test_a_rank_killed_as_the_state_transfer_begins(tmp_path, fault_free, who):
     """Rank 0 is the lowest rank with the newest step: it serves the state; rank 3 takes part."""
-    result = replacing_ranks.run(str(tmp_path), "--steps", STEPS, "--fault", "kill:2:10",
+    result = replacing_ranks.run(str(tmp_path), *FAST, "--fault", "kill:2:10",
                                  "--fault", f"kill_in_roll:{who}")
     check_rolled_forward(result, fault_free, killed_ranks={2, who})
     assert result.respawns == 2
 
 
 def test_the_replacement_killed_as_it_joins(tmp_path, fault_free):
-    result = replacing_ranks.run(str(tmp_path), "--steps", STEPS, "--fault", "kill:2:10",
+    result = replacing_ranks.run(str(tmp_path), *FAST, "--fault", "kill:2:10",
                                  "--fault", "kill_replacement:2")
     check_rolled_forward(result, fault_free, killed_ranks={2})
     assert result.respawns == 2

@@ -21,7 +21,7 @@ RESPAWN = ["--ft-restart-policy", "respawn-rank"]
 def launch(workdir, *job_args, policy=RESPAWN):
     events = os.path.join(workdir, "events.jsonl")
     result = run_launcher(["--nproc-per-node", "4", "--max-restarts", "2", "--monitor-interval", "0.1", *policy,
-                           JOB, "--workdir", str(workdir), "--steps", str(STEPS), *job_args],
+                           JOB, "--workdir", str(workdir), "--steps", str(STEPS), "--step-time", "0.02", *job_args],
                           env={"NVRX_EVENTS_FILE": events})
     return result, read_events(events)
 
@@ -64,6 +64,17 @@ def test_a_killed_rank_is_respawned_alone_and_the_run_ends_as_without_the_fault(
     text = build_report(str(tmp_path / "events.jsonl")).text()
     assert "respawns: 1" in text and f"rank 2 (pid {respawned['old_pid']}) died (exit -9)" in text
     assert "incidents: 0" in text
+
+
+@pytest.mark.parametrize("faults", [("kill:1:12", "kill:3:12:0.05"), ("kill:2:10", "kill_in_roll:0")],
+                         ids=["two_ranks_50ms_apart", "the_serving_rank_as_the_transfer_begins"])
+def test_a_second_death_during_the_recovery_is_one_more_respawn(tmp_path, fault_free, faults):
+    result, events = launch(tmp_path, *(arg for fault in faults for arg in ("--fault", fault)))
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert weights(tmp_path) == {fault_free}
+    assert len([e for e in events if e["kind"] == "rank_respawned"]) == 2
+    assert not [e for e in events if e["kind"] in ("restart_begun", "respawn_declined")]
+    assert all([s for s, _ in steps(tmp_path, rank)] == list(range(1, STEPS + 1)) for rank in range(4))
 
 
 def test_a_replacement_that_dies_at_once_falls_back_to_restarting_every_rank(tmp_path, fault_free):
