@@ -17,7 +17,7 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor_handle import MonitorHandle, MonitorLost
 from nvrx_core.ft.watch import next_deadline
 from nvrx_core.signals import STOP_REQUEST_SIGNALS
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

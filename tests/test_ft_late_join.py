@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from launcher_util import SCRIPTS
-from waiting import wait_for
+from harness import wait_for
 
 JOB = os.path.join(SCRIPTS, "late_join_job.py")
 NPROC = 2

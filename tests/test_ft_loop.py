@@ -13,7 +13,7 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.learning_rules import (AFTER_SAVE, BEFORE_SAVE, END, STARTUP_TIMEOUTS, AfterFirstSave,
                                          LoopProgress, PerTimeoutEvidence)
 from nvrx_core.ft.loop import MonitoredLoop, SectionRule
-from waiting import wait_for
+from harness import wait_for
 
 SECTIONS = dict(rank_section_timeouts={"setup": 60, "step": 30, "checkpointing": 30}, rank_out_of_section_timeout=30,
                 initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None)

@@ -22,7 +22,7 @@ from nvrx_core.ft.monitor import NodeMonitor
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import Timeouts
 from monitor_harness import Rank
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.protocol import decode, encode
 from nvrx_core.proc import ProcessHandle
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,7 +27,7 @@ from nvrx_core.ft.respawn_marker import announce_wrapper, marker_path, wrapper_p
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch, cycle_stats
 from nvrx_core import torch_compat
-from waiting import wait_for
+from harness import wait_for
 
 PROBE = os.path.join(SCRIPTS, "respawn_probe.py")
 RESPAWN = ["--ft-restart-policy", "respawn-rank"]

@@ -19,7 +19,7 @@ import pytest
 from launcher_util import SCRIPTS, _dump_workers, kinds, run_launcher
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -35,7 +35,7 @@ from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import launcher
 from nvrx_core.ft import torchrun_options as opts
 from nvrx_core.ft.agent import AgentSettings, FaultTolerantAgent
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

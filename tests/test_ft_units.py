@@ -12,7 +12,7 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.monitor import RankWatch, next_deadline
 from nvrx_core.ft.protocol import MAX_MESSAGE_BYTES, LineBuffer, ProtocolError, decode, encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
-from waiting import wait_for
+from harness import wait_for
 
 
 # ---- config -------------------------------------------------------------------

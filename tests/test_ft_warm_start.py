@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launcher_util import SCRIPTS, alive, run_launcher
-from waiting import wait_for
+from harness import wait_for
 from nvrx_core.ft.process_groups import kill_process_groups, live_group_members
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,7 +19,7 @@ from nvrx_core.ft.protocol import decode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch
 from nvrx_core.proc import DUMP_WAIT_LIMIT, process_state
-from waiting import wait_for
+from harness import wait_for
 
 
 def entry(pg_id, name, seq, op, retired):

@@ -10,7 +10,7 @@ import pytest
 
 from launcher_util import SCRIPTS, alive, kinds, run_launcher
 from nvrx_core.events import read_events
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

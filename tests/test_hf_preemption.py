@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds, warm_popen
 from spawned_ranks import TorchrunLikeRanks, tail
-import waiting
+from harness import wait_for
 import warm_python
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
@@ -68,7 +68,7 @@ def read_json(path):
 
 def wait_or_fail(condition, timeout, what, logs):
     try:
-        waiting.wait_for(condition, timeout, what)
+        wait_for(condition, timeout, what)
     except AssertionError as e:
         pytest.fail(f"{e}\n{logs()}")
 

@@ -20,7 +20,7 @@ import pytest
 
 from test_inprocess_multirank import FAST, launch
 from test_inprocess_watchdogs import stop
-from waiting import wait_for
+from harness import wait_for
 
 STORE_HOST = """
 import sys

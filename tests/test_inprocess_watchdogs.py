@@ -19,7 +19,7 @@ from nvrx_core.inprocess.errors import RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
 from nvrx_core.inprocess.monitor_process import ProgressReporter
 from nvrx_core.inprocess.store import BoundedStore, StoreUnavailable
-from waiting import wait_for
+from harness import wait_for
 
 STORE_HOST = """
 import sys

@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from waiting import wait_for
+from harness import wait_for
 import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -13,7 +13,7 @@ from launcher_util import SCRIPTS, kinds, run_launcher
 from monitor_harness import MonitorThread
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
-from waiting import wait_for
+from harness import wait_for
 
 from nvrx_lightning import FaultToleranceCallback, NVRxFaultTolerance, SimulatedFaultParams
 from nvrx_lightning._compat import pl

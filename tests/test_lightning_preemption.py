@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds
+from harness import wait_for
 from spawned_ranks import TorchrunLikeRanks
 import warm_python
 from nvrx_core.config import ConfigError
@@ -62,14 +63,6 @@ def result(out, rank):
     return read_json(os.path.join(out, f"result.rank{rank}.json"))
 
 
-def wait_for(condition, timeout, what, logs):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}\n{logs()}")
-        time.sleep(0.01)
-
-
 def load_checkpoint(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
@@ -82,7 +75,7 @@ def test_sigterm_to_rank_1_stops_every_rank_at_one_step_exits_18_and_resumes_to_
     uninterrupted = Job(reference)               # alongside run 1: both pay Lightning's import at once
     interrupted = Job(run1, *PACED)
     try:
-        wait_for(lambda: progress(run1, 1).get("step", -1) >= 6, 150, "run 1 training", interrupted.logs)
+        wait_for(lambda: progress(run1, 1).get("step", -1) >= 6, 150, "run 1 training", details=interrupted.logs)
         interrupted.procs[1].send_signal(signal.SIGTERM)   # only rank 1 is told
         codes = interrupted.finish()
         assert codes == [PREEMPTED, PREEMPTED], interrupted.logs()
@@ -125,7 +118,7 @@ def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     output = ""
     try:
-        wait_for(lambda: progress(out, 1).get("step", -1) >= 6, 150, "both workers training", lambda: "")
+        wait_for(lambda: progress(out, 1).get("step", -1) >= 6, 150, "both workers training")
         os.kill(progress(out, 1)["pid"], signal.SIGTERM)
         output, _ = launcher.communicate(timeout=150)
     finally:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from monitor_harness import MonitorThread
 from spawned_ranks import run_spawned_ranks
 from test_megatron_config import BRIDGE
-from waiting import wait_for
+from harness import wait_for
 
 import warm_python
 from nvrx_core.config import ConfigError

@@ -17,7 +17,7 @@ from nvrx_core import collectives
 from nvrx_core.ft.config import FTConfig
 from nvrx_megatron import FaultToleranceConfig
 from nvrx_megatron import fault_tolerance as ft
-from waiting import wait_for
+from harness import wait_for
 
 
 def bridge_state(tmp_path, train_iters=20, calc=True, async_save=False):

@@ -9,22 +9,15 @@ import json
 import os
 import signal
 import socket
-import time
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 from spawned_ranks import run_spawned_ranks
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.signals import SignalClaimError, SignalRegistry
 from nvrx_megatron.dist_signal_handler import DistributedSignalHandler
-
-
-def _wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return condition()
 
 
 def test_signal_received_while_entered_and_previous_handler_restored():
@@ -35,7 +28,7 @@ def test_signal_received_while_entered_and_previous_handler_restored():
         assert entered is handler and not handler.released
         assert handler.signals_received() == [False]
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert _wait_for(lambda: handler.signaled)
+        wait_for(lambda: handler.signaled, what="the signal recorded")
         assert handler.signals_received() == [True]
         assert handler.core.should_stop(1) is True  # a received signal is the agreed preemption
     assert handler.released and handler.release() is False
@@ -46,7 +39,7 @@ def test_release_returns_true_once_and_reentry_starts_clean():
     handler = DistributedSignalHandler("SIGUSR2")
     handler.__enter__()  # Megatron enters its global handler this way
     os.kill(os.getpid(), signal.SIGUSR2)
-    assert _wait_for(lambda: handler.signaled)
+    wait_for(lambda: handler.signaled, what="the signal recorded")
     assert handler.release() is True
     assert handler.release() is False
     with handler:
@@ -96,7 +89,7 @@ def test_on_a_real_gloo_group_of_one():
         with DistributedSignalHandler(signal.SIGUSR1) as handler:
             assert handler.signals_received() == [False]
             os.kill(os.getpid(), signal.SIGUSR1)
-            assert _wait_for(lambda: handler.signaled)
+            wait_for(lambda: handler.signaled, what="the signal recorded")
             assert handler.signals_received() == [True]
     finally:
         dist.destroy_process_group()
@@ -116,7 +109,7 @@ def _rank_main(rank, world, port, out_dir):
             before = handler.signals_received()
             if rank == SIGNALED_RANK:
                 os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler signalling one node first
-                _wait_for(lambda: handler.signaled)
+                wait_for(lambda: handler.signaled, what="the signal recorded")
             dist.barrier()
             after = handler.signals_received()
             stop = handler.core.should_stop(10)

@@ -27,7 +27,7 @@ from nvrx_core.events import read_events
 from nvrx_core.ft import (FaultToleranceConfig, FTConfig, HeartbeatTimeouts, RankMonitorClient, RankMonitorClientError,
                           SectionTimeouts, WorkloadAction, WorkloadControlRequest)
 from nvrx_core.ft.config import PEER_ONLY_FIELDS
-from waiting import wait_for
+from harness import wait_for
 
 import nvrx_lightning
 from nvrx_lightning import FaultToleranceCallback, FaultToleranceSectionsCallback, SimulatedFaultParams

@@ -20,7 +20,7 @@ from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report import attribution
 from nvrx_core.report.incidents import find_incidents
-from waiting import wait_for
+from harness import wait_for
 
 JOB = os.path.join(SCRIPTS, "preempt_job.py")
 

@@ -9,20 +9,12 @@ import threading
 import time
 
 import pytest
+from harness import wait_for
 from nvrx_core.config import ConfigError
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.preemption import (PREEMPTION_AGREED, DistributedSignalHandler, PreemptionConfig,
                                   WorkerSignalPolicy)
-
-
-def wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_install_records_signals_and_release_restores_the_previous_handler():
@@ -31,9 +23,9 @@ def test_install_records_signals_and_release_restores_the_previous_handler():
     with handler:
         assert handler.installed and not handler.signaled
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert wait_for(lambda: handler.signaled)
+        wait_for(lambda: handler.signaled, what="the signal recorded")
         os.kill(os.getpid(), signal.SIGUSR1)      # a second signal is only recorded
-        assert wait_for(lambda: len(handler.received) == 2)
+        wait_for(lambda: len(handler.received) == 2, what="both signals recorded")
         assert handler.received == [signal.SIGUSR1, signal.SIGUSR1]
     assert signal.getsignal(signal.SIGUSR1) is previous
     handler.release()                             # idempotent
@@ -66,7 +58,7 @@ def test_ranks_check_only_every_n_steps_and_the_answer_sticks(tmp_path):
     with DistributedSignalHandler(config, process_group=None, events=events) as handler:
         assert not handler.should_stop(0)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert wait_for(lambda: handler.signaled)
+        wait_for(lambda: handler.signaled, what="the signal recorded")
         assert [handler.should_stop(s) for s in range(1, 10)] == [False] * 9
         assert handler.should_stop(10)
         assert handler.should_stop(11)            # agreed once, no further checks needed

@@ -7,20 +7,13 @@ multi-rank case runs through nvrx_megatron's facade in test_megatron_signals.py.
 import os
 import signal
 import socket
-import time
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.preemption import PREEMPTION_AGREED, DistributedSignalHandler, PreemptionConfig
-
-
-def _wait_for(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return condition()
 
 
 def test_no_signal_gives_one_false_and_no_agreement():
@@ -36,7 +29,7 @@ def test_a_signal_is_seen_and_counts_as_agreed(tmp_path):
                                        process_group=None, events=events)
     with handler:
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert _wait_for(lambda: handler.signaled)
+        wait_for(lambda: handler.signaled, what="the signal recorded")
         assert handler.signaled_ranks(step=3) == [True]
         assert handler.should_stop(7) is True  # not a check step: the agreement stands
     agreed = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["kind"] == PREEMPTION_AGREED]
@@ -60,5 +53,5 @@ def test_on_a_real_gloo_group(gloo_world_of_one):
     with handler:
         assert handler.signaled_ranks() == [False]
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert _wait_for(lambda: handler.signaled)
+        wait_for(lambda: handler.signaled, what="the signal recorded")
         assert handler.signaled_ranks() == [True]

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from harness import wait_for
 
 import warm_python
 
@@ -105,13 +106,9 @@ def finish_job(procs: list, out: str, timeout: float = 120.0) -> list:
     return [p.returncode for p in procs]
 
 
-def wait_for(condition, timeout: float, what: str, out: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            logs = "".join(open(os.path.join(out, f"rank{r}.log")).read()[-2000:] for r in range(2))
-            pytest.fail(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.005)
+def rank_log_tails(out: str) -> str:
+    """The last lines of both ranks' logs: what a timed-out wait reports."""
+    return "".join(open(os.path.join(out, f"rank{r}.log")).read()[-2000:] for r in range(2))
 
 
 def progress(out: str, rank: int) -> int:
@@ -139,9 +136,9 @@ def test_sigterm_commits_exits_18_and_resume_matches_an_uninterrupted_run(tmp_pa
     ckpt_root = str(tmp_path / "ckpt")
     run1 = str(tmp_path / "run1")
     procs, _store = start_job(ckpt_root, run1, events)
-    wait_for(lambda: progress(run1, 1) >= 20, 120, "training to reach step 20", run1)
+    wait_for(lambda: progress(run1, 1) >= 20, 120, "training to reach step 20", details=lambda: rank_log_tails(run1))
     procs[1].send_signal(signal.SIGTERM)                 # only rank 1 is told
-    wait_for(lambda: os.path.exists(os.path.join(run1, "saving.rank1")), 60, "the save", run1)
+    wait_for(lambda: os.path.exists(os.path.join(run1, "saving.rank1")), 60, "the save", details=lambda: rank_log_tails(run1))
     procs[1].send_signal(signal.SIGTERM)                 # again, while the save is in flight
     assert finish_job(procs, run1) == [18, 18]
     assert finish_job(ref_procs, reference) == [0, 0]

@@ -27,7 +27,7 @@ from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft.process_groups import descendants
 from nvrx_core.report import attribution
 from nvrx_core.report.incidents import find_incidents
-from waiting import wait_for
+from harness import wait_for
 
 JOB = os.path.join(SCRIPTS, "preempt_job.py")
 pytestmark = pytest.mark.timeout(300)

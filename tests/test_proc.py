@@ -10,7 +10,7 @@ import time
 import pytest
 
 from nvrx_core.proc import ProcessHandle, alive, signal_pending, wait_until_taken
-from waiting import wait_for
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from waiting import wait_for
+from harness import wait_for
 import warm_python
 
 SCRIPT = textwrap.dedent("""
