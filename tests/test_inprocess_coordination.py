@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch.distributed as dist
+from harness import wait_for
 
 from nvrx_core.events import EventLog
 from nvrx_core.inprocess import InProcessConfig
@@ -164,9 +165,18 @@ def test_armed_interruption_breaks_a_blocking_sleep(interrupter):
     assert time.monotonic() - began < 5
 
 
-def test_unarmed_interruption_is_ignored(interrupter):
-    request_later(interrupter, 0.05).join()
-    time.sleep(0.1)  # nothing raised
+def test_unarmed_interruption_is_dropped_not_deferred(interrupter):
+    """Outside the wrapped function a request is dropped: arming later must not raise a stale one."""
+    request_later(interrupter, 0.05).join()                      # a monitor's request, unarmed
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # the signal itself, unarmed
+    sum(len(str(i)) for i in range(1000))   # Python calls: the pending handler runs (and returns)
+    assert interrupter.late_requests == 0   # not counted as a request against fn's own frames
+    interrupter.arm()
+    with interrupter.atomic():              # nothing was deferred either
+        sum(len(str(i)) for i in range(1000))
+    with pytest.raises(RestartRequested, match="armed now"):   # and an armed request still lands
+        interrupter.request("armed now")
+        wait_for(lambda: False, timeout=20, what="the armed request to raise")
 
 
 def test_atomic_block_defers_the_interruption_to_its_end(interrupter):
