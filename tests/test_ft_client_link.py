@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from monitor_harness import MonitorThread, Rank
+from harness.node_monitor import NodeMonitorOnThread, Rank
 from nvrx_core.events import read_events
 from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
@@ -37,7 +37,7 @@ def cleanup():
 
 def test_calls_never_wait_for_a_stopped_monitor_which_then_gets_the_rank_s_whole_state(tmp_path, cleanup):
     config = FTConfig(rank_heartbeat_timeout=60, rank_section_timeouts={"step": 60})
-    monitor = MonitorThread(tmp_path, config=config, send_signal=lambda watch, sig: True)  # the rank is this process
+    monitor = NodeMonitorOnThread(tmp_path, config=config, send_signal=lambda watch, sig: True)  # the rank is this process
     cleanup(monitor)
     client = RankMonitorClient(socket_path=monitor.path)
     assert client.init_workload_monitoring()
@@ -78,7 +78,7 @@ def test_a_rank_re_registers_with_a_restarted_monitor_under_the_same_deadlines(t
     state_dir = tmp_path / "ckpt"
     state_dir.mkdir()
     (state_dir / "ft_state.json").write_text(json.dumps({"version": 1, "calculated_timeouts": {"heartbeat": 120}}))
-    first = MonitorThread(tmp_path, config=config)
+    first = NodeMonitorOnThread(tmp_path, config=config)
     cleanup(first)
     rank = Rank(first.path)
     cleanup(rank)
@@ -86,7 +86,7 @@ def test_a_rank_re_registers_with_a_restarted_monitor_under_the_same_deadlines(t
     wait_for(lambda: first.watch(rank.pid) is not None and first.watch(rank.pid).open_sections, what="state")
     before = first.watch(rank.pid)
     first.close()  # its connections end, as when the process dies
-    second = MonitorThread(tmp_path, listener=first.listener, config=config)
+    second = NodeMonitorOnThread(tmp_path, listener=first.listener, config=config)
     cleanup(second)
     wait_for(lambda: getattr(second.watch(rank.pid), "heartbeats", 0) == 1, timeout=30, what="re-registration")
     after = second.watch(rank.pid)
@@ -164,7 +164,7 @@ def test_shutdown_gives_the_stack_dump_signal_back(tmp_path, cleanup):
     (preemption on SIGUSR2 in the same process used to be refused: the client kept it)."""
     from nvrx_core.signals import default_registry
 
-    monitor = MonitorThread(tmp_path)
+    monitor = NodeMonitorOnThread(tmp_path)
     cleanup(monitor)
     client = RankMonitorClient(socket_path=monitor.path)
     registry = default_registry()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from monitor_harness import MonitorThread
+from harness.node_monitor import NodeMonitorOnThread
 from nvrx_core import collectives
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.learning_rules import (AFTER_SAVE, BEFORE_SAVE, END, STARTUP_TIMEOUTS, AfterFirstSave,
@@ -25,7 +25,7 @@ BRIDGE = SectionRule(first_step_in_setup=False, eval_warmup_steps=1, eval_ends_s
 def monitor(tmp_path, monkeypatch, request):
     config = FTConfig(stack_dump_grace=0.05, safety_factor=5, min_calculated_timeout=1.0,
                       **getattr(request, "param", SECTIONS))
-    m = MonitorThread(tmp_path, config=config, send_signal=lambda watch, sig: True)
+    m = NodeMonitorOnThread(tmp_path, config=config, send_signal=lambda watch, sig: True)
     monkeypatch.setenv("NVRX_FT_MONITOR_SOCKET", m.path)
     monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(tmp_path / "finished"))
     yield m

@@ -9,78 +9,62 @@ import json
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest
 
 from nvrx_core.config import ConfigError
-from nvrx_core.events import EventLog, read_events
 from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
-from nvrx_core.ft.monitor import NodeMonitor
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import Timeouts
-from monitor_harness import Rank
+from harness.clock import FakeClock
+from harness.node_monitor import NodeMonitorOnThread, Rank
 from harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class MonitorThread:
-    def __init__(self, tmp_path, kill=None, **cfg):
-        self.path = str(tmp_path / "m.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        listener.listen(64)
-        self.kills = []
-        self.events_file = str(tmp_path / "events.jsonl")
-        kill = kill or (lambda pid, sig: self.kills.append((pid, signal.Signals(sig))))
-        self.monitor = NodeMonitor(
-            listener, FTConfig(stack_dump_grace=0.05, **cfg), EventLog(self.events_file, source="monitor"),
-            send_signal=lambda watch, sig: kill(watch.pid, sig) or True)
-        self._stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while not self._stop:
-            self.monitor.poll(0.05)
-
-    def client(self):
-        c = RankMonitorClient(socket_path=self.path)
-        assert c.init_workload_monitoring()
-        return c
-
-    def events(self, kind):
-        return [e for e in read_events(self.events_file) if e["kind"] == kind]
-
-    def close(self):
-        self._stop = True
-        self.thread.join(5)
-        self.monitor.close()
-
-
 @pytest.fixture
 def monitor(tmp_path, request):
-    m = MonitorThread(tmp_path, **getattr(request, "param", {}))
+    """Signals recorded, never sent; `clock=True` in the param gives the monitor a FakeClock."""
+    cfg = dict(getattr(request, "param", {}))
+    extra = {"clock": FakeClock()} if cfg.pop("clock", False) else {}
+    m = NodeMonitorOnThread(tmp_path, config=FTConfig(stack_dump_grace=0.05, **cfg), record_only=True, **extra)
+    m.clock = extra.get("clock")
     yield m
     m.close()
 
 
-@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30)],
-                         indirect=True)
+def advance_until(monitor, condition, step, what):
+    """Move the fake clock by `step` until `condition()`; the monitor polls between steps."""
+    def moved():
+        if condition():
+            return True
+        monitor.clock.advance(step)
+        monitor.wait_polls(1)
+        return False
+    wait_for(moved, what=what)
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30,
+                                          clock=True)], indirect=True)
 def test_missed_heartbeat_dumps_stacks_then_kills(monitor):
     client = monitor.client()
     client.send_heartbeat()
-    wait_for(lambda: len(monitor.kills) >= 2, what="dump + kill")
-    assert monitor.kills[:2] == [(os.getpid(), signal.SIGUSR2), (os.getpid(), signal.SIGKILL)]
+    wait_for(lambda: monitor.monitor.cycle_stats()["heartbeats"] == 1, what="the heartbeat seen")
+    monitor.clock.advance(0.49)            # just inside the timeout: nothing fires
+    monitor.wait_polls()
+    assert monitor.signals == []
+    monitor.clock.advance(0.02)            # past it: the dump, then (after the dump wait) the kill
+    advance_until(monitor, lambda: len(monitor.signals) >= 2, 0.05, "dump + kill")
+    assert monitor.signals[:2] == [(os.getpid(), signal.SIGUSR2), (os.getpid(), signal.SIGKILL)]
     [detected] = monitor.events("fault_detected")
     assert detected["reason"] == "heartbeat timeout" and detected["pid"] == os.getpid()
     client.shutdown_workload_monitoring()
 
 
-@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=1.0)], indirect=True)
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=1.0, clock=True)], indirect=True)
 def test_garbage_and_oversized_messages_are_dropped_and_others_still_served(monitor):
     good = monitor.client()
     vandal = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -90,30 +74,44 @@ def test_garbage_and_oversized_messages_are_dropped_and_others_still_served(moni
     reply = vandal.recv(65536)
     assert b'"error"' in reply
     # The good rank is still watched: heartbeats keep it alive, then silence gets it killed.
-    for _ in range(5):
+    for n in range(1, 6):                # 5 heartbeats 0.9 s apart: each one resets the 1 s timeout
         good.send_heartbeat()
-        time.sleep(0.2)
-    assert monitor.kills == []
-    wait_for(lambda: monitor.kills, what="kill after heartbeats stop")
-    assert monitor.kills[0][0] == os.getpid()
+        wait_for(lambda: monitor.monitor.cycle_stats()["heartbeats"] == n, what=f"heartbeat {n} seen")
+        monitor.clock.advance(0.9)
+        monitor.wait_polls()
+    assert monitor.signals == []
+    advance_until(monitor, lambda: monitor.signals, 0.05, "kill after heartbeats stop")
+    assert monitor.signals[0][0] == os.getpid()
     assert monitor.monitor.cycle_stats()["heartbeats"] == 5
     vandal.close()
     good.shutdown_workload_monitoring()
 
 
 @pytest.mark.parametrize("monitor", [dict(rank_section_timeouts={"step": 0.4}, rank_heartbeat_timeout=None,
-                                          initial_rank_heartbeat_timeout=None)], indirect=True)
+                                          initial_rank_heartbeat_timeout=None, clock=True)], indirect=True)
 def test_section_timeout_and_clean_bye(monitor):
+    def step_open():
+        watch = monitor.watch(os.getpid())
+        return watch is not None and "step" in watch.open_sections
+
     client = monitor.client()
-    for _ in range(3):
+    for _ in range(3):                     # sections of 0.3 s (monitor time) under a 0.4 s limit
         with client.section("step"):
-            time.sleep(0.05)
+            wait_for(step_open, what="the section seen open")
+            monitor.clock.advance(0.3)
+            monitor.wait_polls()
     client.shutdown_workload_monitoring()  # bye: a rank that leaves cleanly is never killed
-    time.sleep(0.6)
-    assert monitor.kills == []
+    wait_for(lambda: monitor.watch(os.getpid()) is None, what="the bye seen")
+    monitor.clock.advance(10.0)
+    monitor.wait_polls()
+    assert monitor.signals == []
     client2 = monitor.client()
     client2.start_section("step")
-    wait_for(lambda: monitor.kills, what="section timeout")
+    wait_for(step_open, what="the second client's section seen open")
+    monitor.clock.advance(0.39)
+    monitor.wait_polls()
+    assert monitor.signals == []
+    advance_until(monitor, lambda: monitor.signals, 0.05, "section timeout")
     assert monitor.events("fault_detected")[0]["reason"] == "section 'step' timeout"
     client2.shutdown_workload_monitoring()
 
@@ -139,7 +137,7 @@ def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_pa
     assert fresh.init_workload_monitoring()  # pushes the loaded timeouts on connect
     wait_for(lambda: len(monitor.events("timeouts_updated")) == 2, what="second push")
     fresh.send_heartbeat()
-    wait_for(lambda: monitor.kills, timeout=learned + 10, what="kill after learned timeout")
+    wait_for(lambda: monitor.signals, timeout=learned + 10, what="kill after learned timeout")
     fresh.shutdown_workload_monitoring()
 
 
@@ -245,13 +243,16 @@ def test_stacks_of_a_hung_rank_are_reported_as_one_block_from_its_own_file(tmp_p
     it with SIGSEGV."""
     sent = []
 
-    def kill(pid, sig):
+    def send_signal(watch, sig):
         sent.append(signal.Signals(sig))
         if sig == signal.SIGUSR2:
-            os.kill(pid, sig)
+            os.kill(watch.pid, sig)
+        return True
 
     caplog.set_level("ERROR", logger="nvrx.ft.monitor")
-    monitor = MonitorThread(tmp_path, kill=kill, rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30)
+    monitor = NodeMonitorOnThread(
+        tmp_path, config=FTConfig(stack_dump_grace=0.05, rank_heartbeat_timeout=0.5, initial_rank_heartbeat_timeout=30),
+        send_signal=send_signal)
     rank = None
     try:
         rank = Rank(monitor.path)

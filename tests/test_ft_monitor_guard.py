@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from monitor_harness import MonitorThread, Rank
+from harness.node_monitor import NodeMonitorOnThread, Rank
 from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.protocol import decode, encode
@@ -52,7 +52,7 @@ def hung_rank_config(**overrides):
 
 # ---- escalation ------------------------------------------------------------------------------
 def test_escalation_is_cancelled_once_the_terminated_rank_has_exited(tmp_path, cleanup):
-    monitor = MonitorThread(tmp_path, config=hung_rank_config(termination_grace=3.0))
+    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(termination_grace=3.0))
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)
@@ -66,7 +66,7 @@ def test_escalation_is_cancelled_once_the_terminated_rank_has_exited(tmp_path, c
 
 
 def test_a_rank_that_disconnects_but_keeps_running_is_still_escalated_through_its_pidfd(tmp_path, cleanup):
-    monitor = MonitorThread(tmp_path, config=hung_rank_config())
+    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config())
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)
@@ -78,7 +78,7 @@ def test_a_rank_that_disconnects_but_keeps_running_is_still_escalated_through_it
 def test_without_pidfds_escalation_is_cancelled_at_disconnect(tmp_path, cleanup):
     """A bare pid proves nothing once its connection is gone: no SIGKILL may follow."""
     # a long grace: under load the rank may take seconds to run its SIGTERM handler and disconnect
-    monitor = MonitorThread(tmp_path, config=hung_rank_config(termination_grace=60.0),
+    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(termination_grace=60.0),
                             open_process=lambda pid: ProcessHandle(pid, None))
     cleanup(monitor)
     rank = Rank(monitor.path)
@@ -92,7 +92,7 @@ def test_without_pidfds_escalation_is_cancelled_at_disconnect(tmp_path, cleanup)
 
 # ---- adoption after a monitor restart -----------------------------------------------------------
 def test_a_restarted_monitor_kills_an_adopted_rank_that_never_re_registers(tmp_path, cleanup):
-    first = MonitorThread(tmp_path, config=FTConfig(rank_heartbeat_timeout=1.0))
+    first = NodeMonitorOnThread(tmp_path, config=FTConfig(rank_heartbeat_timeout=1.0))
     cleanup(first)
     stopped, live = Rank(first.path, rank=0), Rank(first.path, rank=1)
     cleanup(stopped)
@@ -103,7 +103,7 @@ def test_a_restarted_monitor_kills_an_adopted_rank_that_never_re_registers(tmp_p
     wait_for(lambda: _stopped(stopped.pid), what="the SIGSTOPped rank's threads all stopped")
     first.close()
     unenforced = FTConfig(rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None)  # grace: the floor
-    second = MonitorThread(tmp_path, listener=first.listener, config=unenforced,
+    second = NodeMonitorOnThread(tmp_path, listener=first.listener, config=unenforced,
                            adopt={0: ProcessHandle.open(stopped.pid), 1: ProcessHandle.open(live.pid)},
                            reregister_floor=5.0)
     cleanup(second)
@@ -131,7 +131,7 @@ def test_a_peer_whose_credentials_cannot_be_read_is_dropped(tmp_path, cleanup):
             raise outcome
         return outcome
 
-    monitor = MonitorThread(tmp_path, credentials=credentials)
+    monitor = NodeMonitorOnThread(tmp_path, credentials=credentials)
     cleanup(monitor)
     for _ in range(2):
         with pytest.raises(ConnectionError, match="closed the connection|did not register"):
@@ -150,7 +150,7 @@ def _control_from_child(path, message: bytes) -> dict:
 
 
 def test_control_messages_are_accepted_from_the_launcher_only(tmp_path, cleanup):
-    monitor = MonitorThread(tmp_path, launcher_pid=os.getpid())  # this test process plays the launcher
+    monitor = NodeMonitorOnThread(tmp_path, launcher_pid=os.getpid())  # this test process plays the launcher
     cleanup(monitor)
     for message in (encode("cycle", cycle=7), encode("stats")):
         reply = _control_from_child(monitor.path, message)
@@ -162,7 +162,7 @@ def test_control_messages_are_accepted_from_the_launcher_only(tmp_path, cleanup)
         assert decode(launcher.recv(65536).split(b"\n")[0])["t"] == "ok"
     assert monitor.monitor.cycle == 7
 
-    nobody = MonitorThread(tmp_path / "..", launcher_pid=None)  # no launcher named: nobody may
+    nobody = NodeMonitorOnThread(tmp_path / "..", launcher_pid=None)  # no launcher named: nobody may
     cleanup(nobody)
     with socket.socket(socket.AF_UNIX) as peer:
         peer.connect(nobody.path)
@@ -171,7 +171,7 @@ def test_control_messages_are_accepted_from_the_launcher_only(tmp_path, cleanup)
 
 
 def test_a_flood_of_bad_messages_is_logged_a_few_times_and_never_stalls_the_monitor(tmp_path, cleanup, caplog):
-    monitor = MonitorThread(tmp_path, config=FTConfig(rank_heartbeat_timeout=60))
+    monitor = NodeMonitorOnThread(tmp_path, config=FTConfig(rank_heartbeat_timeout=60))
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)
@@ -199,7 +199,7 @@ def test_a_flood_of_bad_messages_is_logged_a_few_times_and_never_stalls_the_moni
 
 
 def test_a_peer_that_never_reads_its_replies_is_dropped_without_stalling_the_monitor(tmp_path, cleanup):
-    monitor = MonitorThread(tmp_path, launcher_pid=os.getpid(), config=FTConfig(rank_heartbeat_timeout=60))
+    monitor = NodeMonitorOnThread(tmp_path, launcher_pid=os.getpid(), config=FTConfig(rank_heartbeat_timeout=60))
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from launcher_util import SCRIPTS, kinds, run_launcher
-from monitor_harness import MonitorThread
+from harness.node_monitor import NodeMonitorOnThread
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from harness import wait_for
@@ -151,7 +151,7 @@ class Watched(pl.Callback):
 
 def test_fit_twice_on_one_trainer_connects_and_undoes_everything_each_time(tmp_path, monkeypatch):
     signalled = []
-    monitor = MonitorThread(tmp_path, send_signal=lambda watch, sig: signalled.append(sig) or True)
+    monitor = NodeMonitorOnThread(tmp_path, send_signal=lambda watch, sig: signalled.append(sig) or True)
     try:
         monkeypatch.setenv("NVRX_FT_MONITOR_SOCKET", monitor.path)
         monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(tmp_path / "finished"))
@@ -179,7 +179,7 @@ def test_fit_twice_on_one_trainer_connects_and_undoes_everything_each_time(tmp_p
 def test_a_new_run_uses_the_timeouts_the_state_dir_kept(tmp_path, monkeypatch):
     """Run 1 learns and writes ft_state.json; run 2 (a new Trainer, no checkpoint) pushes
     them to the monitor at setup, before its first step."""
-    monitor = MonitorThread(tmp_path, send_signal=lambda watch, sig: True)
+    monitor = NodeMonitorOnThread(tmp_path, send_signal=lambda watch, sig: True)
     try:
         monkeypatch.setenv("NVRX_FT_MONITOR_SOCKET", monitor.path)
         checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from monitor_harness import MonitorThread
+from harness.node_monitor import NodeMonitorOnThread
 from spawned_ranks import run_spawned_ranks
 from test_megatron_config import BRIDGE
 from harness import wait_for
@@ -91,7 +91,7 @@ MISSING = "no train_state"
 @pytest.fixture
 def monitor(tmp_path, monkeypatch):
     signalled = []
-    m = MonitorThread(tmp_path, config=FTConfig(stack_dump_grace=0.05, initial_rank_heartbeat_timeout=60,
+    m = NodeMonitorOnThread(tmp_path, config=FTConfig(stack_dump_grace=0.05, initial_rank_heartbeat_timeout=60,
                                                 rank_heartbeat_timeout=30),
                       send_signal=lambda watch, sig: signalled.append(sig) or True)
     m.signalled = signalled

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from monitor_harness import MonitorThread
+from harness.node_monitor import NodeMonitorOnThread
 from nvrx_core import collectives
 from nvrx_core.ft.config import FTConfig
 from nvrx_megatron import FaultToleranceConfig
@@ -47,7 +47,7 @@ def monitor(tmp_path, request):
     signalled = []
     config = FTConfig(stack_dump_grace=0.05, safety_factor=5, min_calculated_timeout=1.0,
                       **getattr(request, "param", {}))
-    m = MonitorThread(tmp_path, config=config, send_signal=lambda watch, sig: signalled.append(sig) or True)
+    m = NodeMonitorOnThread(tmp_path, config=config, send_signal=lambda watch, sig: signalled.append(sig) or True)
     m.signalled = signalled
     yield m
     m.close()

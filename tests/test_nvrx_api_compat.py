@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from launcher_util import REPO, kill_tree, kinds, run_launcher
-from monitor_harness import MonitorThread
+from harness.node_monitor import NodeMonitorOnThread
 from test_lightning_ft import TinyModel
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
@@ -106,7 +106,7 @@ class Clock:
 def monitor(tmp_path):
     cfg = FTConfig(rank_section_timeouts={"setup": 600, "step": 60, "ckpt": None}, rank_out_of_section_timeout=None,
                    min_calculated_timeout=0, num_warmup_iterations=0, stack_dump_grace=0.05)
-    served = MonitorThread(tmp_path, config=cfg, send_signal=lambda watch, sig: True)   # nobody is signalled
+    served = NodeMonitorOnThread(tmp_path, config=cfg, send_signal=lambda watch, sig: True)   # nobody is signalled
     yield served
     served.close()
 
@@ -213,7 +213,7 @@ def fit(root, callback, fail_at):
 
 
 def test_sections_callback_applies_the_exception_policy_and_cleans_up(tmp_path, monkeypatch, caplog):
-    served = MonitorThread(tmp_path, send_signal=lambda watch, sig: True)
+    served = NodeMonitorOnThread(tmp_path, send_signal=lambda watch, sig: True)
     try:
         monkeypatch.setenv("NVRX_FT_MONITOR_SOCKET", served.path)
         monkeypatch.setenv("FAULT_TOL_FINISHED_FLAG_FILE", str(tmp_path / "finished"))

@@ -1,8 +1,10 @@
 """A NodeMonitor serving from a thread of the test process, and ranks as real child processes.
 
 The monitor object is real (sockets, JSON lines, deadlines, pidfds); only what a test
-chooses is injected (signals recorded, credentials). Ranks run tests/scripts/ft_rank.py: a
-real RankMonitorClient in a process of its own, which the monitor may really signal.
+chooses is injected (signals recorded or not sent, the clock, credentials). Ranks run
+tests/scripts/ft_rank.py: a real RankMonitorClient in a process of its own, which the monitor
+may really signal. (Not to be confused with nvrx_core.inprocess.monitor_thread.MonitorThread,
+the in-process Wrapper's product thread: this is a test harness around the FT node monitor.)
 """
 
 import os
@@ -13,17 +15,25 @@ import sys
 import threading
 
 from nvrx_core.events import EventLog, read_events
+from nvrx_core.ft.client import RankMonitorClient
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.kills import signal_by_handle
 from nvrx_core.ft.monitor import NodeMonitor
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+from harness.waiting import wait_for
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
 
-class MonitorThread:
-    """`listener`: serve on a copy of this listening socket (a 'restarted' monitor), else a new one."""
+class NodeMonitorOnThread:
+    """A real NodeMonitor polled by a thread of the test process.
 
-    def __init__(self, tmp_path, listener=None, config=None, **monitor_kwargs):
+    `listener`: serve on a copy of this listening socket (a 'restarted' monitor), else a new one.
+    `record_only`: signals are recorded in `signals` and never sent (the "hung" rank may be the
+    test process itself). Other keyword arguments go to NodeMonitor (clock=FakeClock(), ...).
+    """
+
+    def __init__(self, tmp_path, listener=None, config=None, record_only=False, **monitor_kwargs):
         self.path = str(tmp_path / "m.sock")
         if listener is None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -42,13 +52,19 @@ class MonitorThread:
                 self.signals.append((watch.pid, signal.Signals(sig)))
             return delivered
 
-        monitor_kwargs.setdefault("send_signal", record_then_send)
+        def record_only_send(watch, sig):
+            self.attempts.append((watch.pid, signal.Signals(sig)))
+            self.signals.append((watch.pid, signal.Signals(sig)))
+            return True
+
+        monitor_kwargs.setdefault("send_signal", record_only_send if record_only else record_then_send)
         self.monitor = NodeMonitor(listener.dup(), config or FTConfig(stack_dump_grace=0.05),
                                    EventLog(self.events_file, source="monitor"), **monitor_kwargs)
         self._stop = False
         self._paused = False
         self.error = None  # what ended the serving thread early, raised again by close()
         self._polling = threading.Lock()
+        self.polls = 0  # polls completed: a test waits for new ones after advancing a fake clock
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -58,6 +74,7 @@ class MonitorThread:
                 with self._polling:
                     if not self._paused:
                         self.monitor.poll(0.02)
+                        self.polls += 1
                 if self._paused:
                     threading.Event().wait(0.01)
         except BaseException as e:  # a monitor that died must fail the test, not fall silent
@@ -79,6 +96,17 @@ class MonitorThread:
             if conn.watch is not None and conn.watch.pid == pid:
                 return conn.watch
         return None
+
+    def wait_polls(self, count=2):
+        """Return once the monitor has polled `count` more times (has seen the clock's new time)."""
+        target = self.polls + count
+        wait_for(lambda: self.polls >= target or self.error is not None, what=f"{count} monitor polls")
+
+    def client(self):
+        """A RankMonitorClient of this test process, connected."""
+        c = RankMonitorClient(socket_path=self.path)
+        assert c.init_workload_monitoring()
+        return c
 
     def events(self, kind):
         return [e for e in read_events(self.events_file) if e["kind"] == kind]
