@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import threading
-import time
 import weakref
 
 import pytest
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 from nvrx_core import collectives, torch_compat
 from nvrx_core.collectives import Collectives, group_device, is_distributed
-import warm_python
+from harness.ranks import run_spawned_ranks
 
 BIG = 2 ** 62 + 1  # not representable as a float64: ints must travel as int64
 
@@ -135,22 +134,7 @@ def _who_holds(index, tensor):
 
 
 def _run_ranks(world, out_dir, deadline_s=120.0):
-    ctx = warm_python.forkserver_context()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, str(out_dir))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + deadline_s
-    try:
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.1))
-        assert not [p for p in procs if p.is_alive()], f"ranks still running after {deadline_s} s"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    assert [p.exitcode for p in procs] == [0] * world
+    run_spawned_ranks(_rank_main, world, str(out_dir), timeout=deadline_s)
     return [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(world)]
 
 

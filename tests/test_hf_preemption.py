@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds, warm_popen
-from spawned_ranks import TorchrunLikeRanks, tail
+from harness.ranks import TorchrunLikeRanks, tail
 from harness import wait_for
 import warm_python
 from nvrx_core.config import ConfigError

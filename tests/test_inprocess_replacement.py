@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import replacing_ranks
-from spawned_ranks import run_spawned_ranks
+from harness.ranks import run_spawned_ranks
 from nvrx_core.inprocess import InProcessConfig
 from nvrx_core.inprocess.coordination import Coordinator
 from nvrx_core.inprocess.errors import InProcessGaveUp

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from launcher_util import SCRIPTS, kill_tree, kinds
 from harness import wait_for
-from spawned_ranks import TorchrunLikeRanks
+from harness.ranks import TorchrunLikeRanks
 import warm_python
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness.node_monitor import NodeMonitorOnThread
-from spawned_ranks import run_spawned_ranks
+from harness.ranks import run_spawned_ranks
 from test_megatron_config import BRIDGE
 from harness import wait_for
 

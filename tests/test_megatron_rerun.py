@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from spawned_ranks import run_spawned_ranks
+from harness.ranks import run_spawned_ranks
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import EventLog

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch.distributed as dist
 from harness import wait_for
-from spawned_ranks import run_spawned_ranks
+from harness.ranks import run_spawned_ranks
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.signals import SignalClaimError, SignalRegistry

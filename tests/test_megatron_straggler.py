@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from spawned_ranks import run_spawned_ranks
+from harness.ranks import run_spawned_ranks
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json

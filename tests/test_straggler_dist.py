@@ -11,6 +11,7 @@ section lasts what the test says it does; waits in the all_reduce stay real.
 """
 
 import datetime
+import functools
 import json
 import os
 import random
@@ -24,7 +25,7 @@ from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import EVENTS_FILE_ENV, STRAGGLER_FOUND, read_events
 from nvrx_core.report import attribution
 from nvrx_core.report.attribution import attribute
-import warm_python
+from harness.ranks import spawn_ranks
 from nvrx_core.report.plot import straggler_matrix
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.straggler import INDIVIDUAL, OVERALL, RELATIVE, Detector, StragglerConfig
@@ -48,29 +49,12 @@ def _rank_main(worker, rank, world, port, out_dir, params):
 
 def run_ranks(worker, world, out_dir, params, deadline_s=100.0):
     """Run worker on `world` spawned ranks; returns (exit codes, per-rank results or None)."""
-    ctx = warm_python.forkserver_context()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [
-        ctx.Process(target=_rank_main, args=(worker, r, world, store.port, str(out_dir), params)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + deadline_s
-    try:
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.1))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        assert not hung, f"ranks {hung} still running after {deadline_s} s"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    exits = spawn_ranks(functools.partial(_rank_main, worker), world, str(out_dir), (params,), deadline_s)
     results = []
     for r in range(world):
         path = os.path.join(out_dir, f"rank{r}.json")
         results.append(json.load(open(path)) if os.path.exists(path) else None)
-    return [p.exitcode for p in procs], results
+    return exits, results
 
 
 def _summary(report):

@@ -1,9 +1,15 @@
-"""Ranks as processes (from a preloaded fork server) around a TCPStore hosted by the test: each runs
-`target(rank, world, store_port, out_dir)`; every one must exit 0 in time, none outlives the test."""
+"""Ranks as processes (from a preloaded fork server) around a TCPStore hosted by the test.
+
+The one rank spawner of the tests: `spawn_ranks` runs `target(rank, world, store_port, out_dir,
+*args)` on `world` processes and returns their exit codes (none outlives the call);
+`run_spawned_ranks` also requires every one to exit 0. `TorchrunLikeRanks` starts a script's ranks
+with torchrun's environment instead. `host_store` is the store a test holds for its ranks.
+"""
 
 import os
 import subprocess
 import time
+from typing import Callable, List, Optional, Sequence
 
 import pytest
 import torch.distributed as dist
@@ -12,23 +18,36 @@ import warm_python
 from launcher_util import kill_tree
 
 
-def run_spawned_ranks(target, world: int, out_dir: str, timeout: float = 120.0) -> None:
+def host_store(world_size: Optional[int] = None) -> dist.TCPStore:
+    """A TCPStore served by the test process on a free port (ranks connect as clients to its
+    `.port`); it does not wait for the workers, so a rank that never comes cannot hang the test."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+
+
+def spawn_ranks(target: Callable, world: int, out_dir: str, args: Sequence = (), timeout: float = 120.0) -> List[int]:
+    """Every rank's exit code; the test fails if any is still running after `timeout` s (it is killed)."""
     ctx = warm_python.forkserver_context()
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    procs = [ctx.Process(target=target, args=(r, world, store.port, out_dir)) for r in range(world)]
+    store = host_store(world)
+    procs = [ctx.Process(target=target, args=(r, world, store.port, str(out_dir), *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.join(max(deadline - time.monotonic(), 0.1))
-        assert not [p for p in procs if p.is_alive()], f"ranks still running after {timeout} s"
-        assert [p.exitcode for p in procs] == [0] * world
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not hung, f"ranks {hung} still running after {timeout} s"
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
+    return [p.exitcode for p in procs]
+
+
+def run_spawned_ranks(target: Callable, world: int, out_dir: str, timeout: float = 120.0, args: Sequence = ()) -> None:
+    """spawn_ranks, and every rank must exit 0."""
+    assert spawn_ranks(target, world, out_dir, args, timeout) == [0] * world
 
 
 class TorchrunLikeRanks:
@@ -39,7 +58,7 @@ class TorchrunLikeRanks:
     def __init__(self, out: str, argv: list, preload, world: int = 2, env: dict = None):
         os.makedirs(out, exist_ok=True)
         self.out = out
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = host_store()
         self.procs = []
         base = {k: v for k, v in os.environ.items() if not k.startswith(("NVRX_", "FAULT_TOL_"))}
         base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
