@@ -11,9 +11,9 @@ import time
 from multiprocessing.connection import wait
 from typing import Dict, List, Tuple
 
-import torch.distributed as dist
 
 import warm_python
+from harness.stores import host_store
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 WORLD = 4
@@ -63,7 +63,7 @@ def run(workdir: str, *job_args: str, timeout: float = 120.0, max_respawns: int 
     os.makedirs(os.path.join(workdir, "announced"), exist_ok=True)
     argv = ["--workdir", workdir, *job_args]
     ctx = warm_python.forkserver_context()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store()
     incarnations = {rank: 0 for rank in range(WORLD)}
     running = {}
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import warm_python
+from harness.stores import host_store
 
 HERE = os.path.abspath(__file__)
 
@@ -29,7 +30,7 @@ HERE = os.path.abspath(__file__)
 def launch(scenario: str, world_size: int, args: dict, timeout: float = 150.0) -> list:
     """Run `scenario` on `world_size` real processes joined by a gloo process group;
     returns each rank's result JSON. The test process hosts the rendezvous store."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store()
     out = args["out"]
     os.makedirs(out, exist_ok=True)
     procs = []

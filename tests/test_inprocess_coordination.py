@@ -28,13 +28,14 @@ from nvrx_core.inprocess.planning import Plan
 from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.wrapper import _Call
 from nvrx_core.inprocess.store import STORE_ENV, StoreSetupError, endpoint_from_env
+from harness.stores import host_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = host_store()
     yield server
 
 

@@ -23,6 +23,7 @@ import warm_python
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from inprocess_ddp import resume  # noqa: E402  (the example's own restore, tested here on 4 ranks)
+from harness.stores import host_store
 
 WORLD = 4
 FAST = dict(soft_timeout=3.0, hard_timeout=6.0, heartbeat_interval=0.2, heartbeat_timeout=5.0, monitor_interval=0.1,
@@ -168,7 +169,7 @@ def launch(tmp_path, job, params, timeout=90.0, world=WORLD, store_port=None, du
     ctx = warm_python.forkserver_context()
     store = None
     if store_port is None:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store = host_store()
         store_port = store.port
     procs = [ctx.Process(target=_rank_main, args=(job, r, world, store_port, params, outdir)) for r in range(world)]
     for p in procs:

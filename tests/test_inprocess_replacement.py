@@ -20,6 +20,7 @@ from nvrx_core.inprocess.rank_assignment import default_policy
 from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.replacement import wait_for_replacements
 from nvrx_core.inprocess.roll_forward import _flatten, roll_forward
+from harness.stores import host_store
 
 STEPS = "40"
 FAST = ("--steps", STEPS, "--step-time", "0.02")   # the steps' padding only sleeps: same data, same weights
@@ -92,7 +93,7 @@ def test_a_respawn_plan_keeps_every_place_and_awaits_the_dead_rank():
 
 
 def test_a_revived_rank_is_no_longer_terminated_and_can_die_again():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = host_store()
     survivor, dead = (Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "p", r) for r in (0, 1))
     assert survivor.mark_terminated(1, Cause.EXITED)
     assert survivor.terminations() == ({1: "exited"}, 1)
@@ -106,7 +107,7 @@ def test_a_revived_rank_is_no_longer_terminated_and_can_die_again():
 
 
 def test_survivors_wait_for_the_replacement_then_go_on_or_give_up():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = host_store()
     survivor, dead = (Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "p", r) for r in (0, 1))
     survivor.mark_terminated(1, Cause.EXITED)
     config = InProcessConfig()

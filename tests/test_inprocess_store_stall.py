@@ -12,36 +12,19 @@ overloaded store host looks like). While it is stopped, rank 2 hangs holding the
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from test_inprocess_multirank import FAST, launch
-from test_inprocess_watchdogs import stop
-from harness import wait_for
-
-STORE_HOST = """
-import sys
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-print(store.port, flush=True)
-sys.stdin.read()  # until the test closes stdin (or kills this process)
-"""
+from harness import stores, wait_for
+from harness.stores import stop
 
 
 @pytest.fixture
 def store_process():
-    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    try:
-        port = int(proc.stdout.readline())
-        yield proc, port
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait()
+    with stores.store_process() as proc_port:
+        yield proc_port
 
 
 @pytest.mark.timeout(180)

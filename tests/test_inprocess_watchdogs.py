@@ -5,7 +5,6 @@ the store's verdict on how an iteration ended.
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import types
@@ -19,37 +18,14 @@ from nvrx_core.inprocess.errors import RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
 from nvrx_core.inprocess.monitor_process import ProgressReporter
 from nvrx_core.inprocess.store import BoundedStore, StoreUnavailable
-from harness import wait_for
-
-STORE_HOST = """
-import sys
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-print(store.port, flush=True)
-sys.stdin.read()
-"""
-
-
-def stop(pid):
-    """SIGSTOP takes effect some time after kill() returns: wait until the process is stopped."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def stopped():
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and line.split()[1] in ("T", "t") for line in f)
-
-    wait_for(stopped, timeout=20, what=f"process {pid} to stop")
+from harness import stores, wait_for
+from harness.stores import host_store, stop
 
 
 @pytest.fixture
 def store_process():
-    proc = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        yield proc, int(proc.stdout.readline())
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-        proc.kill()
-        proc.wait()
+    with stores.store_process() as proc_port:
+        yield proc_port
 
 
 @pytest.mark.timeout(60)
@@ -125,7 +101,7 @@ def test_a_request_taken_in_the_wrappers_own_frames_is_not_raised():
 
 
 def test_the_first_verdict_on_an_iteration_is_everyones(tmp_path):
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server = host_store()
     a, b = (Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "v", r) for r in range(2))
     assert a.settle(3, RESTART) == RESTART
     assert b.settle(3, COMPLETED) == RESTART

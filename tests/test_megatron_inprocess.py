@@ -22,6 +22,7 @@ from nvrx_core.exit_codes import ExitCode
 from nvrx_core.inprocess import InProcessGaveUp, KeepWholeNodes, RestartState
 from nvrx_megatron import InProcessRestartConfig
 from nvrx_megatron import inprocess_restart as adapter
+from harness.stores import host_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(REPO, "tests", "scripts", "megatron_inprocess_job.py")
@@ -197,7 +198,7 @@ def test_a_restarted_call_resets_the_global_state_first(monkeypatch):
 # ---- real 2-rank jobs ------------------------------------------------------------------------
 def run_job(tmp_path, config, fault_iterations, timeout=150.0):
     """Start WORLD ranks of the job, wait for all (generous deadline), kill whatever is left."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, held by us
+    store = host_store()  # a free port, held by us
     params = {"outdir": str(tmp_path), "config": {"enabled": True, **FAST, **config}, "steps": 30,
               "fault_rank": 1, "fault_step": 10, "fault_iterations": fault_iterations}
     procs = []

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from harness import wait_for
 
 import warm_python
+from harness.stores import host_store
 
 HERE = os.path.abspath(__file__)
 TOTAL_STEPS = 150
@@ -82,7 +83,7 @@ def _write_report(out: str, rank: int, report: dict) -> None:
 
 def start_job(ckpt_root: str, out: str, events: str) -> list:
     os.makedirs(out, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1",

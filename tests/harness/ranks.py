@@ -3,7 +3,7 @@
 The one rank spawner of the tests: `spawn_ranks` runs `target(rank, world, store_port, out_dir,
 *args)` on `world` processes and returns their exit codes (none outlives the call);
 `run_spawned_ranks` also requires every one to exit 0. `TorchrunLikeRanks` starts a script's ranks
-with torchrun's environment instead. `host_store` is the store a test holds for its ranks.
+with torchrun's environment instead. The store is harness.stores.host_store.
 """
 
 import os
@@ -15,13 +15,8 @@ import pytest
 import torch.distributed as dist
 
 import warm_python
+from harness.stores import host_store
 from launcher_util import kill_tree
-
-
-def host_store(world_size: Optional[int] = None) -> dist.TCPStore:
-    """A TCPStore served by the test process on a free port (ranks connect as clients to its
-    `.port`); it does not wait for the workers, so a rank that never comes cannot hang the test."""
-    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
 
 
 def spawn_ranks(target: Callable, world: int, out_dir: str, args: Sequence = (), timeout: float = 120.0) -> List[int]:
