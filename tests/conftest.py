@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-# tests import their helpers (launcher_util) by plain name
+# tests import their helpers by plain name (the harness package, warm_python, ...)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # helpers that assert for the tests calling them: their failures get pytest's detailed messages

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from launcher_util import REPO, kinds, run_launcher
+from harness.launcher import REPO, kinds, run_launcher
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import read_events
 from nvrx_core.report.goodput import goodput

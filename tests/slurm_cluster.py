@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional
 
 import pytest
 
-from launcher_util import REPO, run_launcher
+from harness.launcher import REPO, run_launcher
 from nvrx_core.durable import atomic_write_json
 
 SCRIPT = os.path.join(REPO, "tools", "local_slurm.sh")

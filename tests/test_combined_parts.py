@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from harness.launcher import SCRIPTS, kinds, run_launcher
 from nvrx_core.events import read_events
 
 pytestmark = pytest.mark.timeout(240)

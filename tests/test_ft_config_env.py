@@ -4,7 +4,7 @@ flags, and a value it cannot read stops the launcher with the variable named."""
 
 import pytest
 
-from launcher_util import run_launcher
+from harness.launcher import run_launcher
 from nvrx_core.config import ConfigError
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import config_env

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from launcher_util import SCRIPTS
+from harness.launcher import SCRIPTS
 from harness import wait_for
 
 JOB = os.path.join(SCRIPTS, "late_join_job.py")

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from harness.launcher import SCRIPTS, kinds, run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import launcher

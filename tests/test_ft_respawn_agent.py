@@ -17,7 +17,7 @@ import time
 import pytest
 
 import warm_python
-from launcher_util import SCRIPTS, alive, kill_tree, kinds, start_ticks
+from harness.launcher import SCRIPTS, alive, kill_tree, kinds, start_ticks
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launcher_util import SCRIPTS, _dump_workers, kinds, run_launcher
+from harness.launcher import SCRIPTS, _dump_workers, kinds, run_launcher
 from nvrx_core.events import EventLog, read_events
 from nvrx_core.exit_codes import ExitCode
 from harness import wait_for

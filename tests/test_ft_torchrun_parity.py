@@ -28,7 +28,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.launcher.api import LaunchConfig
 
 import warm_python
-from launcher_util import SCRIPTS, kill_tree, kinds
+from harness.launcher import SCRIPTS, kill_tree, kinds
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launcher_util import SCRIPTS, alive, run_launcher
+from harness.launcher import SCRIPTS, alive, run_launcher
 from harness import wait_for
 from nvrx_core.ft.process_groups import kill_process_groups, live_group_members
 

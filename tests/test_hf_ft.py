@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from launcher_util import SCRIPTS, alive, kinds, run_launcher
+from harness.launcher import SCRIPTS, alive, kinds, run_launcher
 from nvrx_core.events import read_events
 from harness import wait_for
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher_util import SCRIPTS, kill_tree, kinds, warm_popen
+from harness.launcher import SCRIPTS, kill_tree, kinds, warm_popen
 from harness.ranks import TorchrunLikeRanks, tail
 from harness import wait_for
 import warm_python

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before anything imports transfor
 import pytest
 import torch.distributed as dist
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from harness.launcher import SCRIPTS, kinds, run_launcher
 from nvrx_core.config import ConfigError
 from nvrx_core.events import STRAGGLER_FOUND, read_events
 from nvrx_core.exit_codes import ExitCode

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launcher_util import kinds, run_launcher
+from harness.launcher import kinds, run_launcher
 from nvrx_core.events import read_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

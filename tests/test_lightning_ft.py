@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from harness.launcher import SCRIPTS, kinds, run_launcher
 from harness.node_monitor import NodeMonitorOnThread
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher_util import SCRIPTS, kill_tree, kinds
+from harness.launcher import SCRIPTS, kill_tree, kinds
 from harness import wait_for
 from harness.ranks import TorchrunLikeRanks
 import warm_python

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher_util import SCRIPTS, kinds, run_launcher
+from harness.launcher import SCRIPTS, kinds, run_launcher
 from nvrx_core.config import ConfigError
 from nvrx_core.events import STRAGGLER_FOUND, read_events
 from nvrx_core.exit_codes import ExitCode

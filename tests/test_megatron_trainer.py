@@ -5,7 +5,7 @@ job; a transient loss spike is re-run in place and training goes on to the same 
 
 import pytest
 
-from launcher_util import kinds
+from harness.launcher import kinds
 from megatron_trainer import HEARTBEATS, ITERS, TIMEOUTS, check_recovered, shared_reference_weights, train
 
 pytestmark = pytest.mark.timeout(600)

@@ -6,7 +6,7 @@ rank stops every rank with exit 19 after a checkpoint; NaN losses end in exit 16
 import pytest
 import torch
 
-from launcher_util import kinds
+from harness.launcher import kinds
 from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, TIMEOUTS, check_recovered, shared_reference_weights,
                               saved_iteration, train)
 from nvrx_core.exit_codes import ExitCode

@@ -7,7 +7,7 @@ fault-free one). A node is lost by SIGKILL or SIGSTOP to its whole process tree.
 
 import pytest
 
-from launcher_util import warm_popen
+from harness.launcher import warm_popen
 from nvrx_core.demo.nodes import LocalCluster, checkpoint_after, wait_for
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report import attribution

@@ -12,7 +12,7 @@ import pytest
 nemo_run = pytest.importorskip("nemo_run")
 run = nemo_run
 
-from launcher_util import REPO, kinds  # noqa: E402
+from harness.launcher import REPO, kinds  # noqa: E402
 from megatron_trainer import ITERS, STEP_TIME, shared_reference_weights  # noqa: E402
 from nvrx_core.events import read_events  # noqa: E402
 from nvrx_nemo_run import FaultTolerancePlugin  # noqa: E402

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 
-from launcher_util import REPO, kill_tree, kinds, run_launcher
+from harness.launcher import REPO, kill_tree, kinds, run_launcher
 from harness.node_monitor import NodeMonitorOnThread
 from test_lightning_ft import TinyModel
 from nvrx_core.config import ConfigError

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launcher_util import SCRIPTS, kinds, preempt_progress
+from harness.launcher import SCRIPTS, kinds, preempt_progress
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.report import attribution

@@ -20,7 +20,7 @@ import signal
 import pytest
 
 import warm_python
-from launcher_util import SCRIPTS, alive, kill_tree, kinds, preempt_progress, start_ticks
+from harness.launcher import SCRIPTS, alive, kill_tree, kinds, preempt_progress, start_ticks
 from nvrx_core.demo.nodes import free_port
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode

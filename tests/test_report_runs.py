@@ -5,7 +5,7 @@ the runs of their own tests (test_preemption_ft_launcher, test_straggler_dist, t
 
 import pytest
 
-from launcher_util import run_launcher
+from harness.launcher import run_launcher
 from nvrx_core.cli import main as nvrx
 from nvrx_core.report import attribution as a
 from nvrx_core.report.build import build_report

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from launcher_util import run_launcher
+from harness.launcher import run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.report.build import build_report
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from launcher_util import REPO, kinds
+from harness.launcher import REPO, kinds
 from nvrx_core.events import read_events
 from slurm_cluster import (TRAINER, cluster_env, crash_node, exclusive, nodes_back, reference_weights, slurm,
                            wait_for_job)

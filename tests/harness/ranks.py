@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import warm_python
 from harness.stores import host_store
-from launcher_util import kill_tree
+from harness.launcher import kill_tree
 
 
 def spawn_ranks(target: Callable, world: int, out_dir: str, args: Sequence = (), timeout: float = 120.0) -> List[int]:

@@ -1,4 +1,8 @@
-"""Running ft_launcher as a real process in tests, and reading what it left behind."""
+"""Running ft_launcher as a real process in tests, and reading what it left behind.
+
+The one launcher runner of the tests (`run_launcher`, `warm_popen`), with the process-tree
+kill every test uses for what it started (`kill_tree`).
+"""
 
 import json
 import os
@@ -11,7 +15,7 @@ from typing import List, Optional
 from nvrx_core.ft.process_groups import descendants
 import warm_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
 
 
