@@ -1,6 +1,11 @@
 """The tests' shared harness: one owner for each thing tests keep needing.
 
 - `wait_for`: poll a condition with a generous deadline (harness/waiting.py).
+- `clock.FakeClock`: time a test advances, for decisions about timeouts.
+- `node_monitor.NodeMonitorOnThread`, `Rank`: a real FT node monitor on a thread, real rank processes.
+- `ranks.spawn_ranks` / `run_spawned_ranks` / `TorchrunLikeRanks`: N rank processes.
+- `stores.host_store` / `store_process` / `stop`: the TCPStore a test holds.
+- `launcher.run_launcher` / `warm_popen` / `kill_tree`: ft_launcher as a real process.
 
 Tests import it by plain name (`from harness import wait_for`): conftest puts tests/ on sys.path,
 and spawned rank scripts started from tests/ inherit that through PYTHONPATH where they need it.
