@@ -32,7 +32,8 @@ EVENTS_FORMAT = 1
 
 logger = logging.getLogger("nvrx.events")
 
-# Well-known event kinds. Parts may add their own; these are the ones reports rely on.
+# Every event kind nvrx-suite emits, in this one module so that readers of an events file
+# (nvrx report) need no part's module, and so no torch.
 FAULT_DETECTED = "fault_detected"
 RANK_KILLED = "rank_killed"
 STACKS_DUMPED = "stacks_dumped"
@@ -61,6 +62,25 @@ SPARE_ACTIVATED = "spare_activated"  # a spare took the slot (group rank) of a l
 WORKLOAD_REQUEST = "workload_request"  # a rank asked the launcher to stop the job or leave it at the next failure
 RANK_RESPAWNED = "rank_respawned"  # respawn-rank: a dead worker replaced in place, its peers kept running
 RESPAWN_DECLINED = "respawn_declined"  # respawn-rank: a dead worker not replaced (reason); every worker restarts
+WORKER_EXCEPTION = "worker_exception"  # a worker's uncaught exception: type, message, traceback (ft.uncaught)
+HANG_EVIDENCE = "hang_evidence"  # node monitor, at a hang: each rank's process state (running, sleeping, stopped)
+COLLECTIVES_REPORTED = "collectives_reported"  # a hung rank's answer: the collectives in flight per group
+STACKS_REPORTED = "stacks_reported"  # a hung rank's Python stacks, sent to the node monitor before the kill
+PREEMPTION_AGREED = "preemption_agreed"  # every rank agreed at a step that a preemption signal arrived
+STRAGGLER_CLEARED = "straggler_cleared"  # a rank reported as a straggler before is no longer one
+RERUN_RESULT_REJECTED = "rerun_result_rejected"  # the rerun state machine rejected a step's result (NaN, spike)
+RERUN_DIAGNOSIS = "rerun_diagnosis"  # the rerun state machine's verdict: transient, persistent, or not reproducible
+RERUN_EXIT_REQUESTED = "rerun_exit_requested"  # the rerun state machine asked the job to exit (to rerun elsewhere)
+RERUN_DETERMINISM_STATS = "rerun_determinism_stats"  # report-stats mode: how far a rerun's results differed
+INPROCESS_INTERRUPTED = "inprocess_interrupted"  # in-process restart: an iteration was interrupted (cause, by whom)
+INPROCESS_ABORTED = "inprocess_aborted"  # in-process restart: the rank's process groups were aborted
+INPROCESS_REASSIGNED = "inprocess_reassigned"  # in-process restart: the rank got a new rank in the next iteration
+INPROCESS_RESTARTED = "inprocess_restarted"  # in-process restart: the wrapped function starts again
+INPROCESS_COMPLETED = "inprocess_completed"  # in-process restart: the wrapped function returned (role)
+INPROCESS_GAVE_UP = "inprocess_gave_up"  # in-process restart: no further iteration (reason)
+INPROCESS_EXCLUDED = "inprocess_excluded"  # in-process restart: this rank was excluded from the next iteration
+INPROCESS_RANK_TERMINATED = "inprocess_rank_terminated"  # in-process monitor process killed its rank (cause)
+INPROCESS_REPLACEMENT_JOINED = "inprocess_replacement_joined"  # a replacement process joined a running job
 
 
 def new_launcher_id() -> str:

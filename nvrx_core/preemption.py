@@ -24,13 +24,12 @@ from typing import Any, Callable, List, Mapping, Optional
 
 from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, resolve_group
 from nvrx_core.config import build, check, load_yaml_section
-from nvrx_core.events import EventLog
+from nvrx_core.events import PREEMPTION_AGREED, EventLog
 from nvrx_core.exit_codes import ExitCode, describe
 from nvrx_core.signals import SignalClaim, SignalRegistry, default_registry
 
 logger = logging.getLogger("nvrx.preemption")
 
-PREEMPTION_AGREED = "preemption_agreed"
 OWNER = "preemption"
 WORKER_OWNER = "preemption (DataLoader worker policy)"
 WORKER_POLICIES = ("ignore", "default", "inherit")

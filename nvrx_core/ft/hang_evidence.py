@@ -23,9 +23,6 @@ from nvrx_core import events as ev
 from nvrx_core.ft.watch import RankWatch
 from nvrx_core.proc import process_state
 
-HANG_EVIDENCE = "hang_evidence"
-COLLECTIVES_REPORTED = "collectives_reported"
-STACKS_REPORTED = "stacks_reported"
 ANSWER_WAIT = 2.0
 """Seconds the first kill of a cycle waits for the cycle's ranks to say where they are."""
 MAX_STACK_EVENT_CHARS = 16384
@@ -81,7 +78,7 @@ class HangEvidence:
                 self._dump_after_answer[w.pid] = w
             else:
                 self._dump_stacks(w)
-        self._events.emit(HANG_EVIDENCE, rank=hung.rank, cycle=hung.cycle, ranks=states)
+        self._events.emit(ev.HANG_EVIDENCE, rank=hung.rank, cycle=hung.cycle, ranks=states)
 
     def _dump_stacks(self, w: RankWatch) -> None:
         if self._dump(w):
@@ -90,7 +87,7 @@ class HangEvidence:
     def answered(self, w: RankWatch, msg: dict) -> None:
         self._unanswered.pop(w.pid, None)
         error = msg.get("error")
-        self._events.emit(COLLECTIVES_REPORTED, rank=w.rank, cycle=w.cycle, groups=msg["groups"],
+        self._events.emit(ev.COLLECTIVES_REPORTED, rank=w.rank, cycle=w.cycle, groups=msg["groups"],
                           error=error if isinstance(error, str) else None)
         if w.pid in self._dump_after_answer:
             self._dump_stacks(self._dump_after_answer.pop(w.pid))
@@ -112,5 +109,5 @@ class HangEvidence:
 
     def report_stacks(self, w: RankWatch, text: Optional[str]) -> None:
         if text and text.strip():
-            self._events.emit(STACKS_REPORTED, rank=w.rank, cycle=w.cycle, pid=w.pid,
+            self._events.emit(ev.STACKS_REPORTED, rank=w.rank, cycle=w.cycle, pid=w.pid,
                               stacks=text[:MAX_STACK_EVENT_CHARS])

@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 from nvrx_core import events as ev
 
-WORKER_EXCEPTION = "worker_exception"
 MAX_MESSAGE_CHARS = 2000
 MAX_TRACEBACK_CHARS = 6000
 
@@ -38,7 +37,7 @@ class UncaughtExceptionRecorder:
         try:
             text = "".join(traceback.format_exception(exc_type, exc, tb))
             self._events.emit(
-                WORKER_EXCEPTION,
+                ev.WORKER_EXCEPTION,
                 type=f"{exc_type.__module__}.{exc_type.__qualname__}",
                 message=str(exc)[:MAX_MESSAGE_CHARS],
                 traceback=text[-MAX_TRACEBACK_CHARS:],

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 from nvrx_core import events as ev
 from nvrx_core import proc
-from nvrx_core.inprocess.records import RANK_TERMINATED, Cause
+from nvrx_core.inprocess.records import Cause
 
 logger = logging.getLogger("nvrx.inprocess.monitor")
 
@@ -242,7 +242,7 @@ class _Watcher:
         return 0
 
     def _declare_in_background(self, cause: Cause, detail: str) -> threading.Thread:
-        self.events.emit(RANK_TERMINATED, cause=cause.value, detail=detail)
+        self.events.emit(ev.INPROCESS_RANK_TERMINATED, cause=cause.value, detail=detail)
         thread = threading.Thread(target=self._declare_safely, args=(cause, detail), daemon=True)
         thread.start()
         return thread

@@ -32,7 +32,7 @@ from nvrx_core.inprocess.abort import AbortProcessGroups, release_connection_wai
 from nvrx_core.inprocess.config import InProcessConfig
 from nvrx_core.inprocess.coordination import Coordinator, HeartbeatWatch, blind_gap
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
-from nvrx_core.inprocess.records import ABORTED, INTERRUPTED, Cause
+from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.store import StoreUnavailable
 
 logger = logging.getLogger("nvrx.inprocess")
@@ -200,9 +200,9 @@ class MonitorThread(threading.Thread):
             self.triggered = cause
             self._triggered_at = self._clock()
             in_function = self._in_function
-        self.events.emit(INTERRUPTED, iteration=iteration, cause=cause.value, detail=detail, by="monitor")
+        self.events.emit(ev.INPROCESS_INTERRUPTED, iteration=iteration, cause=cause.value, detail=detail, by="monitor")
         shut = self.abort.abort_communication()
-        self.events.emit(ABORTED, iteration=iteration, connections_shut_down=shut, by="monitor")
+        self.events.emit(ev.INPROCESS_ABORTED, iteration=iteration, connections_shut_down=shut, by="monitor")
         if in_function:
             self.interrupter.request(f"{cause.value}: {detail}")
 

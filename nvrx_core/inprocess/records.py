@@ -10,15 +10,6 @@ import enum
 import json
 from typing import Optional
 
-# Event kinds (nvrx_core.events) emitted by in-process restart.
-INTERRUPTED = "inprocess_interrupted"
-ABORTED = "inprocess_aborted"
-REASSIGNED = "inprocess_reassigned"
-RESTARTED = "inprocess_restarted"
-COMPLETED = "inprocess_completed"
-GAVE_UP = "inprocess_gave_up"
-EXCLUDED = "inprocess_excluded"
-RANK_TERMINATED = "inprocess_rank_terminated"
 
 
 class Cause(str, enum.Enum):

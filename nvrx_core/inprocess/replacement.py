@@ -30,7 +30,6 @@ from nvrx_core.inprocess.records import Cause
 logger = logging.getLogger("nvrx.inprocess")
 
 RESPAWN_POLICY = "respawn-rank"
-REPLACEMENT_JOINED = "inprocess_replacement_joined"
 
 
 def respawn_on(env: Mapping[str, str]) -> bool:

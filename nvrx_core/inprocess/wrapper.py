@@ -36,8 +36,7 @@ from nvrx_core.inprocess.interruption import MainThreadInterrupter
 from nvrx_core.inprocess import replacement
 from nvrx_core.inprocess.planning import ACTIVE, OUT, Plan, first_plan, next_plan
 from nvrx_core.inprocess.rank_assignment import Policy, default_policy, node_of
-from nvrx_core.inprocess.records import (ABORTED, COMPLETED, EXCLUDED, GAVE_UP, INTERRUPTED, REASSIGNED, RESTARTED,
-                                         Cause)
+from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.state import RestartState
 from nvrx_core.inprocess.store import StoreClients, endpoint_from_env
 from nvrx_core.inprocess.watchdogs import Watchdogs
@@ -131,7 +130,7 @@ class _Call:
             self._connect_state_client()
             if self.replacing:
                 plan, self.nodes = replacement.join(self.coord, self.world_size, self.config.respawn_timeout)
-                self.events.emit(replacement.REPLACEMENT_JOINED, iteration=plan.iteration)
+                self.events.emit(ev.INPROCESS_REPLACEMENT_JOINED, iteration=plan.iteration)
             else:
                 self.nodes = self.coord.initial_barrier(self.node, self.world_size, self.config.barrier_timeout)
                 plan = first_plan(self.nodes, self.config)
@@ -207,16 +206,16 @@ class _Call:
             if role == OUT:
                 self._leave_excluded(plan)
             if plan.give_up:
-                self.events.emit(GAVE_UP, iteration=plan.iteration, reason=plan.give_up)
+                self.events.emit(ev.INPROCESS_GAVE_UP, iteration=plan.iteration, reason=plan.give_up)
                 logger.error("in-process restart gives up: %s", plan.give_up)
                 raise InProcessGaveUp(plan.give_up)
             if plan.iteration > 0:
-                self.events.emit(RESTARTED, iteration=plan.iteration, rank_now=plan.assignment.active[self.rank],
+                self.events.emit(ev.INPROCESS_RESTARTED, iteration=plan.iteration, rank_now=plan.assignment.active[self.rank],
                                  world_size=plan.assignment.world_size, role=role)
             outcome, value = self._run_iteration(plan, role, args, kwargs)
             if outcome is _COMPLETED:
                 self.completed = True
-                self.events.emit(COMPLETED, iteration=plan.iteration, role=role)
+                self.events.emit(ev.INPROCESS_COMPLETED, iteration=plan.iteration, role=role)
                 return value
             error, value = value, None  # _restart drops the last reference to the failed iteration's error
             plan = self._restart(plan, outcome, error)
@@ -307,11 +306,11 @@ class _Call:
     def _restart(self, plan: Plan, cause: Optional[Cause], error: Optional[BaseException]) -> Plan:
         k, left_at = plan.iteration, time.monotonic()
         cause, detail = self._classify(plan, cause, error)
-        self.events.emit(INTERRUPTED, iteration=k, cause=cause.value, detail=detail, by="main")
+        self.events.emit(ev.INPROCESS_INTERRUPTED, iteration=k, cause=cause.value, detail=detail, by="main")
         self.monitor.end_iteration()
         shut = self.abort.abort_communication()
         self.abort.destroy()
-        self.events.emit(ABORTED, iteration=k, connections_shut_down=shut, by="main")
+        self.events.emit(ev.INPROCESS_ABORTED, iteration=k, connections_shut_down=shut, by="main")
         if error is not None:
             clear_frames(error)
             error = None
@@ -330,7 +329,7 @@ class _Call:
         new_plan = Plan.from_json(winning, self.nodes)
         replacement.publish(self.coord, new_plan)
         self.abort.release()
-        self.events.emit(REASSIGNED, iteration=new_plan.iteration, rank_now=new_plan.assignment.active[self.rank],
+        self.events.emit(ev.INPROCESS_REASSIGNED, iteration=new_plan.iteration, rank_now=new_plan.assignment.active[self.rank],
                          world_size=new_plan.assignment.world_size, out=sorted(new_plan.causes),
                          reserves=len(new_plan.assignment.reserves()))
         return new_plan
@@ -380,7 +379,7 @@ class _Call:
 
     def _leave_excluded(self, plan: Plan) -> None:
         cause = plan.causes[self.rank]
-        self.events.emit(EXCLUDED, iteration=plan.iteration, cause=cause, faults=plan.faults.get(self.rank, 0))
+        self.events.emit(ev.INPROCESS_EXCLUDED, iteration=plan.iteration, cause=cause, faults=plan.faults.get(self.rank, 0))
         if cause == Cause.MAX_RANK_FAULTS.value:
             raise InProcessGaveUp(f"rank {self.rank} caused {plan.faults.get(self.rank)} faults, more than "
                                   f"max_rank_faults={self.config.max_rank_faults}")

@@ -23,9 +23,6 @@ from typing import Dict, List, Optional, Set
 
 from nvrx_core import events as ev
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.ft.hang_evidence import COLLECTIVES_REPORTED, HANG_EVIDENCE, STACKS_REPORTED
-from nvrx_core.ft.uncaught import WORKER_EXCEPTION
-from nvrx_core.preemption import PREEMPTION_AGREED
 
 KILLED = "rank killed"
 EXCEPTION = "exception"
@@ -125,7 +122,7 @@ def attribute(events: List[dict]) -> Verdict:
 
 
 def _preempted(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
-    agreed = [e for e in events if e["kind"] == PREEMPTION_AGREED]
+    agreed = [e for e in events if e["kind"] == ev.PREEMPTION_AGREED]
     if not agreed and ExitCode.PREEMPTED not in codes.values():
         return None
     signals = sorted({s for e in agreed for s in e.get("signals_here") or ()})
@@ -167,7 +164,7 @@ def _rerun(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
 
 
 def _hang(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
-    evidence_events = [e for e in events if e["kind"] == HANG_EVIDENCE]
+    evidence_events = [e for e in events if e["kind"] == ev.HANG_EVIDENCE]
     detected = [e for e in events if e["kind"] == ev.FAULT_DETECTED and e.get("fault") == "hang"]
     if not evidence_events and not detected:
         return None
@@ -178,7 +175,7 @@ def _hang(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
                 states.setdefault(int(rank), state if isinstance(state, dict) else {})
             except ValueError:
                 continue
-    answers = {r: e.get("groups") or {} for r, e in _first_by_rank(events, COLLECTIVES_REPORTED).items()}
+    answers = {r: e.get("groups") or {} for r, e in _first_by_rank(events, ev.COLLECTIVES_REPORTED).items()}
     culprits: Dict[int, str] = {}
     waiting: Dict[int, str] = {}
     for rank, state in states.items():
@@ -206,7 +203,7 @@ def _hang(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
                        fault_time=_earliest_silence(states, waiting))
     kinds = set(culprits.values())
     kind = next(k for k in (STOPPED, HANG_GIL, HANG) if k in kinds)
-    stacks = _first_by_rank(events, STACKS_REPORTED)
+    stacks = _first_by_rank(events, ev.STACKS_REPORTED)
     lines = []
     for rank in sorted(culprits):
         state = states.get(rank, {})
@@ -265,7 +262,7 @@ def _signaled(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
 def _crash(events: List[dict], codes: Dict[int, int]) -> Optional[Verdict]:
     if not codes:
         return None
-    exceptions = _first_by_rank(events, WORKER_EXCEPTION)
+    exceptions = _first_by_rank(events, ev.WORKER_EXCEPTION)
     gone = _first_by_rank(events, ev.RANK_DISCONNECTED)
     stopped = _stopped_by_launcher(events)
     culprits: Dict[int, str] = {}

@@ -7,8 +7,8 @@ declined to respawn is listed with its reason; its restart is an ordinary incide
 import dataclasses
 from typing import List, Optional
 
-RESPAWNED, DECLINED = "rank_respawned", "respawn_declined"
-JOINED, RESTARTED = "inprocess_replacement_joined", "inprocess_restarted"
+from nvrx_core import events as ev
+
 
 
 @dataclasses.dataclass
@@ -35,18 +35,18 @@ def find_respawns(events: List[dict]) -> List[Respawn]:
     """Every respawn and declined respawn, in time order."""
     found = []
     for i, e in enumerate(events):
-        if e["kind"] == DECLINED:
+        if e["kind"] == ev.RESPAWN_DECLINED:
             found.append(Respawn(e.get("rank"), e.get("cycle"), e.get("exit_code"), seen_time=e["time"],
                                  declined=str(e.get("reason", ""))))
-        elif e["kind"] == RESPAWNED:
+        elif e["kind"] == ev.RANK_RESPAWNED:
             seconds = e.get("seconds") if isinstance(e.get("seconds"), (int, float)) else 0.0
             respawn = Respawn(e.get("rank"), e.get("cycle"), e.get("exit_code"), e.get("old_pid"), e.get("new_pid"),
                               seen_time=e["time"] - seconds, started_time=e["time"])
             later = [x for x in events[i + 1:] if x.get("rank") == respawn.rank]
-            joined = next((x for x in later if x["kind"] == JOINED), None)
+            joined = next((x for x in later if x["kind"] == ev.INPROCESS_REPLACEMENT_JOINED), None)
             if joined is not None:
                 respawn.joined_time = joined["time"]
-                resumed = next((x for x in later if x["kind"] == RESTARTED and x["time"] >= joined["time"]), None)
+                resumed = next((x for x in later if x["kind"] == ev.INPROCESS_RESTARTED and x["time"] >= joined["time"]), None)
                 respawn.resumed_time = resumed["time"] if resumed is not None else None
             found.append(respawn)
     return found

@@ -31,6 +31,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from nvrx_core import events as ev
 from nvrx_core.events import EventLog
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import report
@@ -314,7 +315,7 @@ class RerunStateMachine:
             checkpoint, _, code = EXIT_REQUESTS[self.state]
             logger.error("rerun: iteration %d: %s; exiting with %s (%d)%s", self.current_iteration,
                          event.value, code.name, int(code), " after a checkpoint" if checkpoint else "")
-            self._events.emit(report.RERUN_EXIT_REQUESTED, rank=self._rank, iteration=self.current_iteration,
+            self._events.emit(ev.RERUN_EXIT_REQUESTED, rank=self._rank, iteration=self.current_iteration,
                               event=event.value, exit_code=int(code), checkpoint=checkpoint)
 
     def _as_iterators(self, data_iterator: Any) -> List[Optional[RerunDataIterator]]:
@@ -382,7 +383,7 @@ class RerunStateMachine:
         self.last_determinism_report = summary
         for message, s in summary["calls"].items():
             logger.info("rerun determinism stats, iteration %d, %r: %s", self.current_iteration, message, s)
-        self._events.emit(report.DETERMINISM_STATS, rank=self._rank, **summary)
+        self._events.emit(ev.RERUN_DETERMINISM_STATS, rank=self._rank, **summary)
         return summary
 
     def state_dict(self, data_iterator: Any = None) -> dict:

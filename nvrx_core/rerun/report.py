@@ -15,15 +15,10 @@ from typing import Any, Callable, Iterator, List, Optional, Set
 
 import torch
 
+from nvrx_core import events as ev
 from nvrx_core.events import EventLog
 
 logger = logging.getLogger("nvrx.rerun")
-
-# Event kinds (nvrx_core.events) the machine emits.
-RESULT_REJECTED = "rerun_result_rejected"
-RERUN_DIAGNOSIS = "rerun_diagnosis"
-RERUN_EXIT_REQUESTED = "rerun_exit_requested"
-DETERMINISM_STATS = "rerun_determinism_stats"
 
 # Statuses (where in the protocol a record was written), named as in Megatron-LM.
 RERUN_DISABLED = "rerun_disabled"
@@ -110,11 +105,11 @@ class RejectionReporter:
             fields["injected"] = injected
         if diagnosis is None:
             logger.warning("rerun: rank %d iteration %d: %s: %s (%s) %s", rank, iteration, status, record.result, message, detail)
-            self._events.emit(RESULT_REJECTED, rank=rank, **fields)
+            self._events.emit(ev.RERUN_RESULT_REJECTED, rank=rank, **fields)
         else:
             self.diagnoses.append(record)
             logger.error("rerun: rank %d iteration %d: diagnosis %s: %s", rank, iteration, diagnosis, detail)
-            self._events.emit(RERUN_DIAGNOSIS, rank=rank, **fields)
+            self._events.emit(ev.RERUN_DIAGNOSIS, rank=rank, **fields)
 
 
 def read_rejected_results(path: str) -> List[RejectedResult]:

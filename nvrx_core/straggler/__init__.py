@@ -11,7 +11,7 @@ See docs/straggler.md.
 """
 
 from nvrx_core.straggler.config import StragglerConfig
-from nvrx_core.straggler.actions import STRAGGLER_CLEARED
+from nvrx_core.events import STRAGGLER_CLEARED
 from nvrx_core.straggler.detector import Detector
 from nvrx_core.straggler.report import INDIVIDUAL, RELATIVE, RankStats, Report, Straggler
 from nvrx_core.straggler.timers import COMPUTE, OVERALL, WAIT

@@ -4,13 +4,12 @@ and, with stop_if_detected, the documented stop: checkpoint hook, then exit code
 import logging
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from nvrx_core.events import STRAGGLER_FOUND, STRAGGLER_SCORES, EventLog
+from nvrx_core.events import STRAGGLER_CLEARED, STRAGGLER_FOUND, STRAGGLER_SCORES, EventLog
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.straggler.config import StragglerConfig
 from nvrx_core.straggler.report import Report, Straggler
 from nvrx_core.straggler.timers import OVERALL
 
-STRAGGLER_CLEARED = "straggler_cleared"
 """Event kind: a flagged score is back above its threshold."""
 
 
