@@ -1,9 +1,10 @@
 """What Linux /proc says about another process: the monitors' view of a rank they may kill.
 
 Both monitors (ft_launcher's node monitor, the in-process Wrapper's monitor process) ask a
-hung rank for a stack dump before killing it. On a loaded node the rank may not run for a
-while after the dump signal is sent; a termination signal sent meanwhile is taken first
-and the dump is lost. These let them wait for the rank to take the signal instead.
+hung rank for a stack dump before killing it (nvrx_core.hang_kill owns that sequence). On a
+loaded node the rank may not run for a while after the dump signal is sent; a termination
+signal sent meanwhile is taken first and the dump is lost. signal_pending() and
+process_state() let them wait for the rank to take the signal instead.
 
 ProcessHandle names a process by pidfd (Linux >= 5.3): a pid alone names whichever process
 holds the number now, and once a rank has exited and been reaped its number can go to an
@@ -15,11 +16,7 @@ import errno
 import os
 import select
 import signal
-import time
-from typing import Callable, Optional
-
-DUMP_WAIT_LIMIT = 5.0
-"""Seconds a stack-dump signal may stay untaken before the rank is terminated anyway."""
+from typing import Optional
 
 
 def _status(pid: int) -> dict:
@@ -72,18 +69,6 @@ def signal_pending(pid: int, sig: int) -> bool:
         return any(int(fields[name], 16) & bit for name in ("SigPnd", "ShdPnd") if name in fields)
     except (OSError, ValueError):
         return False
-
-
-def wait_until_taken(pid: int, sig: int, grace: float, limit: float,
-                     sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
-    """Block until `pid` has taken `sig` and had `grace` seconds after that, at most `limit` seconds."""
-    start = clock()
-    sleep(grace)
-    if not signal_pending(pid, sig):
-        return
-    while signal_pending(pid, sig) and clock() - start < limit:
-        sleep(0.02)
-    sleep(min(grace, max(0.0, limit - (clock() - start))))
 
 
 class ProcessHandle:

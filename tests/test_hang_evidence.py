@@ -13,12 +13,12 @@ from nvrx_core.events import EventLog, read_events
 from nvrx_core.ft import collective_trace
 from nvrx_core.ft import hang_evidence as he
 from nvrx_core.ft.config import FTConfig
-from nvrx_core.ft import kills
 from nvrx_core.ft.kills import Killer, Scheduler
 from nvrx_core.ft.protocol import decode
 from nvrx_core.ft.timeouts import Timeouts
 from nvrx_core.ft.watch import RankWatch
-from nvrx_core.proc import DUMP_WAIT_LIMIT, process_state
+from nvrx_core.hang_kill import DUMP_POLL, DUMP_WAIT_LIMIT
+from nvrx_core.proc import process_state
 from harness import wait_for
 
 
@@ -158,9 +158,9 @@ def test_the_kill_waits_until_the_dump_file_grew_and_held_still():
     advance(cfg.stack_dump_grace + 1.0)  # taken, nothing written yet: the old fixed grace killed here
     assert reported == [] and len(sent) == 1
     size["now"] = 4000  # the handler writes
-    advance(kills.DUMP_POLL)
+    advance(DUMP_POLL)
     assert reported == []  # still growing, maybe
-    advance(kills.DUMP_POLL)
+    advance(DUMP_POLL)
     assert reported == [4000] and sent[1:] == [cfg.rank_termination_signal.name, "SIGCONT"]
 
 
@@ -171,9 +171,9 @@ def test_a_dump_that_never_comes_delays_the_kill_by_at_most_the_wait_limit():
                     report_stacks=lambda w: None, dump_size=lambda w: 0)
     killer.begin(watch(0, os.getpid()), "heartbeat timeout", overdue=0.0)
     while len(sent) == 1:
-        clock.now += kills.DUMP_POLL
+        clock.now += DUMP_POLL
         killer._sched.run_due()
-    assert DUMP_WAIT_LIMIT <= clock.now - 100.0 <= DUMP_WAIT_LIMIT + 2 * kills.DUMP_POLL
+    assert DUMP_WAIT_LIMIT <= clock.now - 100.0 <= DUMP_WAIT_LIMIT + 2 * DUMP_POLL
 
 
 def test_a_rank_dumping_to_stderr_is_terminated_after_the_grace():
@@ -204,12 +204,12 @@ def test_no_rank_of_the_cycle_is_terminated_while_another_s_dump_is_being_writte
     size[0] = 900  # the peer writes at once; the culprit waits for a core
     terminated = lambda: [r for r, sig in signals if sig == cfg.rank_termination_signal.name]
     for _ in range(20):
-        clock.now += kills.DUMP_POLL
+        clock.now += DUMP_POLL
         killer._sched.run_due()
     assert terminated() == [] and reported == []
     size[1] = 3000
     for _ in range(3):
-        clock.now += kills.DUMP_POLL
+        clock.now += DUMP_POLL
         killer._sched.run_due()
         assert sorted(terminated()) in ([], [0, 1])  # together: neither is left for torch's agent to stop
     assert sorted(terminated()) == [0, 1] and sorted(reported) == [(0, 900), (1, 3000)]
@@ -232,8 +232,8 @@ def test_a_stopped_rank_s_dump_is_not_waited_for():
         killer.begin(stopped, "heartbeat timeout", overdue=0.0)
         killer.begin(peer, "heartbeat timeout", overdue=0.0)
         size[0] = 900  # the peer writes its dump at once
-        for _ in range(int(cfg.stack_dump_grace / kills.DUMP_POLL) + 3):
-            clock.now += kills.DUMP_POLL
+        for _ in range(int(cfg.stack_dump_grace / DUMP_POLL) + 3):
+            clock.now += DUMP_POLL
             killer._sched.run_due()
         assert clock.now - 100.0 < DUMP_WAIT_LIMIT / 2
         terminated = sorted(r for r, sig in signals if sig == cfg.rank_termination_signal.name)

@@ -3,6 +3,7 @@ progress reported to the hard-timeout monitor, interruptions outside the functio
 the store's verdict on how an iteration ended.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -12,11 +13,14 @@ import types
 import pytest
 import torch.distributed as dist
 
+import warm_python
+from nvrx_core.events import EVENTS_FILE_ENV, RANK_KILLED, read_events
 from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections
 from nvrx_core.inprocess.coordination import COMPLETED, RESTART, Coordinator, HeartbeatWatch
 from nvrx_core.inprocess.errors import RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
-from nvrx_core.inprocess.monitor_process import ProgressReporter
+from nvrx_core.inprocess.monitor_process import MonitorProcess, MonitorSettings, ProgressReporter
+from nvrx_core.proc import process_state
 from nvrx_core.inprocess.store import BoundedStore, StoreUnavailable
 from harness import stores, wait_for
 from harness.stores import host_store, stop
@@ -114,3 +118,44 @@ def test_destroy_resets_the_group_counter_a_failed_creation_left_ahead():
     world.group_count = 3
     AbortProcessGroups(IterationConnections(), empty_cuda_cache=False).destroy()
     assert world.group_count == 0
+
+
+HANDLED_BY_EXIT = 43
+"""The exit status of a rank whose SIGTERM handler ran (a SIGKILLed one ends -9)."""
+
+
+def _rank_that_stops(events_file):
+    """A rank whose hard-timeout monitor runs, with a SIGTERM handler, that stops (SIGSTOP) at once."""
+    os.environ[EVENTS_FILE_ENV] = events_file
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # as the Wrapper arms the stack dump
+    signal.signal(signal.SIGTERM, lambda *a: os._exit(HANDLED_BY_EXIT))
+    monitor = MonitorProcess(MonitorSettings(rank=0, hard_timeout=2.0, termination_grace=600.0,
+                                             termination_signal=signal.SIGTERM, interval=0.05,
+                                             stack_dump_signal=signal.SIGUSR2),
+                             declare_terminated=lambda cause, detail: None)
+    monitor.start()
+    os.kill(os.getpid(), signal.SIGSTOP)  # no progress reaches the monitor from here on
+    time.sleep(600)
+
+
+@pytest.mark.timeout(180)
+def test_the_hard_timeout_kill_continues_a_stopped_rank_so_its_termination_handler_runs(tmp_path):
+    """The in-process monitor kills through nvrx_core.hang_kill: the dump is not waited for (a
+    stopped rank writes nothing), SIGTERM goes with SIGCONT, and the rank's handler ends it long
+    before the 600 s grace would have brought SIGKILL (a bare SIGTERM left it stopped till then)."""
+    events_file = str(tmp_path / "events.jsonl")
+    rank = warm_python.forkserver_context().Process(target=_rank_that_stops, args=(events_file,))
+    rank.start()
+    try:
+        states = []
+        wait_for(lambda: states.append(process_state(rank.pid)) or states[-1] in ("stopped", "zombie", None),
+                 timeout=60, what="the rank stopped")
+        assert states[-1] == "stopped", states  # it stopped before its hard timeout (2 s) ran out
+        rank.join(120)
+        assert rank.exitcode == HANDLED_BY_EXIT
+        killed = [e for e in read_events(events_file) if e["kind"] == RANK_KILLED]
+        assert [(e["signal"], e["reason"]) for e in killed] == [("SIGTERM", "hard_timeout")], killed
+    finally:
+        if rank.is_alive():
+            rank.kill()
+            rank.join()

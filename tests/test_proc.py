@@ -4,12 +4,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
-from nvrx_core.proc import ProcessHandle, alive, signal_pending, wait_until_taken
+from nvrx_core.proc import ProcessHandle, alive, signal_pending
 from harness import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,27 +37,6 @@ def test_pending_until_taken_and_never_for_a_stopped_or_dead_process(child):
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     assert not alive(child.pid) and not signal_pending(child.pid, signal.SIGUSR2)
-
-
-def test_wait_until_taken_returns_only_after_the_process_took_the_signal(child):
-    os.kill(child.pid, signal.SIGUSR2)
-    waiter = threading.Thread(target=wait_until_taken, args=(child.pid, signal.SIGUSR2, 0.05, 60.0))
-    waiter.start()
-    waiter.join(1.0)
-    assert waiter.is_alive()  # still pending: a monitor would lose the dump if it killed now
-    child.stdin.write(b"go\n")
-    child.stdin.flush()
-    assert child.stdout.readline() == b"took it\n"
-    waiter.join(30)
-    assert not waiter.is_alive()
-
-
-def test_wait_until_taken_gives_up_at_the_limit(child):
-    os.kill(child.pid, signal.SIGUSR2)
-    wait_for(lambda: signal_pending(child.pid, signal.SIGUSR2), what="SIGUSR2 pending")
-    start = time.monotonic()
-    wait_until_taken(child.pid, signal.SIGUSR2, 0.05, limit=0.5)
-    assert signal_pending(child.pid, signal.SIGUSR2) and time.monotonic() - start >= 0.5
 
 
 # ---- ProcessHandle: signals by pidfd -------------------------------------------------------

@@ -1,18 +1,14 @@
 """How the node monitor takes down a hung rank, and the clock of scheduled steps it runs on.
 
-The sequence: once the cycle's ranks answered where they stand (ft.hang_evidence, bounded),
-ask the rank for a stack dump (faulthandler on stack_dump_signal), wait until the dump is
-written, report it, send rank_termination_signal (and SIGCONT, so a stopped rank can act on
-it), and SIGKILL if the rank is still alive termination_grace later. "Written": the rank took
-the signal, and its dump file grew and then held still for DUMP_POLL seconds; at least
-stack_dump_grace after the signal, at most proc.DUMP_WAIT_LIMIT. A fixed grace was not
-enough: on a loaded node a rank can take the signal and then wait for a core before its
-handler writes anything, and the kill then lost the stacks that name the culprit.
-The hung ranks of a cycle are terminated together, once all their dumps are written: a hang
-spreads, so a waiting peer's timeout expires a moment after the culprit's, and when the peer
-died first torch's agent stopped every worker, the culprit with its dump unwritten. A stopped
-(SIGSTOP) rank writes nothing until continued, so nobody waits for its dump. Each step is a
-scheduled action, so timing never blocks the monitor's serving of the other ranks.
+The sequence is nvrx_core.hang_kill's, shared with the in-process monitor: once the cycle's
+ranks answered where they stand (ft.hang_evidence, bounded), ask the rank for a stack dump
+(faulthandler on stack_dump_signal), wait until the dump is written (hang_kill.DumpWatch),
+report it, terminate it (rank_termination_signal, then SIGCONT) and escalate to SIGKILL if
+the rank is still alive termination_grace later. What is the node monitor's own: the hung
+ranks of a cycle are terminated together, once all their dumps are written: a hang spreads,
+so a waiting peer's timeout expires a moment after the culprit's, and when the peer died
+first torch's agent stopped every worker, the culprit with its dump unwritten. Each step is
+a scheduled action, so timing never blocks the monitor's serving of the other ranks.
 
 Every signal goes through the rank's pidfd (RankWatch.proc), opened when the rank
 connected, so no step can reach another process that reused the pid. Steps still pending
@@ -31,7 +27,8 @@ from typing import Callable, Dict, List, Optional
 from nvrx_core import events as ev
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.watch import RankWatch
-from nvrx_core.proc import DUMP_WAIT_LIMIT, process_state
+from nvrx_core.hang_kill import DUMP_POLL, DumpWatch, escalate, terminate
+from nvrx_core.proc import process_state
 
 logger = logging.getLogger("nvrx.ft.monitor")
 
@@ -69,10 +66,6 @@ class Scheduler:
 SendSignal = Callable[[RankWatch, int], bool]
 EXIT_POLL = 0.05
 """Seconds between looks at a disconnected rank's pidfd while its kill has steps pending."""
-DUMP_POLL = 0.05
-"""Seconds between looks at a dump being written (signal pending? file still growing?)."""
-_UNTAKEN = -1  # a dump size that stands for "the signal was not taken yet"
-STOPPED_STATES = ("stopped", "tracing stop")
 
 
 @dataclasses.dataclass
@@ -130,8 +123,8 @@ class Killer:
             return
         self.events.emit(ev.STACKS_DUMPED, rank=w.rank, cycle=w.cycle, pid=w.pid,
                          signal=self.cfg.stack_dump_signal.name)
-        sent = self._clock()
-        self._then(w, sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, sent, before, before))
+        dump = DumpWatch(sent=self._clock(), before=before)
+        self._then(w, dump.sent + self.cfg.stack_dump_grace, lambda: self._terminate_after_dump(w, dump))
 
     def rank_disconnected(self, w: RankWatch) -> None:
         """The rank's connection closed: cancel what is left of its kill once its process is gone.
@@ -168,27 +161,20 @@ class Killer:
     def _dump_pending(self, w: RankWatch) -> bool:
         return w.proc is not None and w.proc.signal_pending(self.cfg.stack_dump_signal)
 
-    def _terminate_after_dump(self, w: RankWatch, sent: float, before: Optional[int], last: Optional[int]) -> None:
+    def _terminate_after_dump(self, w: RankWatch, dump: DumpWatch) -> None:
         """Terminate the cycle's hung ranks once all their dumps are written (module docstring),
-        or this one alone DUMP_WAIT_LIMIT after `sent`. `before`: the dump file's size when the
-        signal was sent; `last`: at the previous look (_UNTAKEN while the signal was not taken)."""
-        size = _UNTAKEN if self._dump_pending(w) else self._dump_size(w)
-        if process_state(w.pid) in STOPPED_STATES:  # it writes nothing until continued
-            written = True
-        elif size is None:  # no file to watch: taken, and taken at the previous look too
-            written = last != _UNTAKEN
-        else:
-            written = (before or 0) < size == last  # grew since the signal (from nothing: no file then)
+        or this one alone once its dump is overdue (hang_kill.DUMP_WAIT_LIMIT)."""
+        written = dump.look(self._dump_pending(w), process_state(w.pid), self._dump_size(w))
         cycle = self._dumping.get(w.cycle, {})
         if w.pid in cycle:
             cycle[w.pid].written = written
         if all(d.written for d in cycle.values()):
             for d in list(cycle.values()):
                 self._finish(d.w)
-        elif self._clock() - sent >= DUMP_WAIT_LIMIT:
+        elif dump.overdue(self._clock()):
             self._finish(w)
         else:
-            self._then(w, self._clock() + DUMP_POLL, lambda: self._terminate_after_dump(w, sent, before, size))
+            self._then(w, self._clock() + DUMP_POLL, lambda: self._terminate_after_dump(w, dump))
 
     def _forget_dump(self, w: RankWatch) -> None:
         cycle = self._dumping.get(w.cycle, {})
@@ -208,14 +194,13 @@ class Killer:
 
     def _terminate(self, w: RankWatch) -> None:
         sig = self.cfg.rank_termination_signal
-        if not self._send(w, sig):
+        if not terminate(lambda s: self._send(w, s), sig):
             return
-        self._send(w, signal.SIGCONT)  # a stopped (SIGSTOP) rank must run to act on SIGTERM
         self.events.emit(ev.RANK_KILLED, rank=w.rank, cycle=w.cycle, pid=w.pid, signal=sig.name)
         if sig != signal.SIGKILL:
             self._then(w, self._clock() + self.cfg.termination_grace, lambda: self._escalate(w))
 
     def _escalate(self, w: RankWatch) -> None:
-        if self._send(w, signal.SIGKILL):
+        if escalate(lambda s: self._send(w, s)):
             logger.error("rank %d (pid %d) survived %s; sent SIGKILL", w.rank, w.pid,
                          self.cfg.rank_termination_signal.name)

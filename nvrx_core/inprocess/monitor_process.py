@@ -6,7 +6,8 @@ ProgressReporter thread, which never touches the store, writes "progress <t>" li
 the shared CLOCK_MONOTONIC) into a pipe; the monitor process:
 - when the rank's last progress is older than hard_timeout: declares it terminated in
   the store, asks faulthandler for a stack dump (stack_dump_signal), then kills it
-  (termination_signal, then SIGKILL after termination_grace);
+  (termination_signal and SIGCONT, then SIGKILL after termination_grace): the node
+  monitor's sequence, nvrx_core.hang_kill, through a pidfd opened on the rank at start;
 - declares the rank terminated (cause "exited") when it dies on its own: the pipe hits
   end-of-file, or the monitor's parent changes (the rank was its parent);
 - exits quietly on "stop", when the rank leaves the Wrapper normally.
@@ -42,7 +43,8 @@ import time
 from typing import Callable, Optional
 
 from nvrx_core import events as ev
-from nvrx_core import proc
+from nvrx_core import hang_kill
+from nvrx_core.proc import ProcessHandle
 from nvrx_core.inprocess.records import Cause
 
 logger = logging.getLogger("nvrx.inprocess.monitor")
@@ -163,9 +165,12 @@ class _Watcher:
         self.buffer = b""
         self.events = ev.EventLog.from_env(source="inprocess_monitor")
         self.events.rank = settings.rank
+        self.rank_process: Optional[ProcessHandle] = None
 
     def run(self) -> int:
         self._detach()
+        if not self._hold_rank():
+            return self._rank_gone("the rank process is gone")
         selector = selectors.DefaultSelector()
         selector.register(self.read_fd, selectors.EVENT_READ)
         while True:
@@ -175,11 +180,24 @@ class _Watcher:
                     return self._rank_gone("the rank's end of the monitor pipe closed")
                 if self._consume(data):
                     return 0
-            if os.getppid() != self.rank_pid:
+            if not self._still_parent():
                 return self._rank_gone("the rank process is gone")
             stalled = time.monotonic() - self.last_progress
             if stalled > self.settings.hard_timeout:
                 return self._kill(stalled)
+
+    def _hold_rank(self) -> bool:
+        """Open the rank's pidfd while it is certainly the rank (still this process's parent),
+        so no signal of a kill can reach a process that reused its pid."""
+        try:
+            self.rank_process = ProcessHandle.open(self.rank_pid)
+        except ProcessLookupError:
+            return False
+        return self._still_parent()
+
+    def _still_parent(self) -> bool:
+        """The rank is alive: a dead rank's child is handed to another parent."""
+        return os.getppid() == self.rank_pid
 
     def _detach(self) -> None:
         """Forget the rank's signal handlers and logging; keep running if the rank's group is interrupted."""
@@ -220,19 +238,13 @@ class _Watcher:
         declaring = self._declare_in_background(Cause.HARD_TIMEOUT, detail)
         declaring.join(settings.declare_wait)
         if settings.stack_dump_signal is not None:  # faulthandler in the rank prints every thread's stack
-            _signal(pid, settings.stack_dump_signal)
-            proc.wait_until_taken(pid, settings.stack_dump_signal, settings.stack_dump_grace,
-                                  limit=proc.DUMP_WAIT_LIMIT)
+            hang_kill.dump_stacks(self.rank_process, settings.stack_dump_signal, settings.stack_dump_grace)
         # Written before the signal: whoever sees the rank gone finds the record already there.
         self.events.emit(ev.RANK_KILLED, reason=Cause.HARD_TIMEOUT.value, pid=pid, detail=detail,
                          signal=signal.Signals(settings.termination_signal).name)
-        _signal(pid, settings.termination_signal)
-        deadline = time.monotonic() + settings.termination_grace
-        while time.monotonic() < deadline and proc.alive(pid) and os.getppid() == pid:
-            time.sleep(0.02)
-        if proc.alive(pid) and os.getppid() == pid:
-            logger.error("rank %d (pid %d) survived the termination signal; sending SIGKILL", settings.rank, pid)
-            _signal(pid, signal.SIGKILL)
+        if hang_kill.terminate_then_kill(self.rank_process, settings.termination_signal,
+                                         settings.termination_grace, still_ours=self._still_parent):
+            logger.error("rank %d (pid %d) survived the termination signal; sent SIGKILL", settings.rank, pid)
         self._finish_declaring(declaring)
         return 0
 
@@ -258,10 +270,3 @@ class _Watcher:
             self.declare(cause, detail)
         except Exception as e:  # the store may have died with the rank (rank 0 hosted it)
             logger.error("could not declare rank %d terminated in the store: %s", self.settings.rank, e)
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass
