@@ -98,11 +98,18 @@ def resolve_group(group: Any = WORLD_IF_INITIALIZED) -> Optional[Any]:
     return group
 
 
+def is_nccl(group: Any) -> bool:
+    """Whether NCCL carries collectives of `group`: a process group (None: the default one), or a
+    backend name as init_process_group takes it ("nccl", "cpu:gloo,cuda:nccl", "gloo")."""
+    backend = group if isinstance(group, str) else dist.get_backend(group)
+    return "nccl" in str(backend).lower()
+
+
 def group_device(group: Optional[Any]) -> torch.device:
     """The device a collective on `group` takes tensors on (see the module docstring)."""
     if group is None:
         return torch.device("cpu")
-    if "nccl" in str(dist.get_backend(group)).lower():
+    if is_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -5,17 +5,22 @@ public API: torchrun's argument parser and config builder, the elastic agent's p
 hooks that FaultTolerantAgent overrides, the attribute through which that agent counts its
 restarts, the processes of its workers (and, under respawn-rank, the process context through
 which one dead worker is replaced in place). The in-process Wrapper lists every process group
-through c10d's private registry and aborts an NCCL group through its backend object. The collectives helper reads a tensor's
-C++ reference count to know when gloo's thread has let go of it. A torch release may rename or drop any
-of them; the symptom would then be a launcher that silently stops restarting, an abort
-that does nothing, or ranks that name their next process group differently and hang. Every such use goes through this module, which checks the name when it
-is first needed and raises TorchCompatError naming the torch version, the missing name and
-the versions nvrx-suite was tested with.
+through c10d's private registry, and its abort imitates gloo's pair handshake on the wire (no
+name to check there: it is checked against the torch versions it was verified with). The
+collectives helper reads a tensor's C++ reference count to know when gloo's thread has let go
+of it. A torch release may rename or drop any of them; the symptom would then be a launcher
+that silently stops restarting, an abort that does nothing, or ranks that name their next
+process group differently and hang. Every such use goes through this module, which checks the
+name (or the version) when it is first needed and raises TorchCompatError naming the torch
+version, the missing name and the versions nvrx-suite was tested with.
 """
 
 import dataclasses
 import inspect
+import logging
 import os
+import socket
+import struct
 import tempfile
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -23,6 +28,8 @@ import torch
 
 TESTED_TORCH_VERSIONS = ("2.13.0", "2.14.1")
 """`make test` runs on the first (CI), `make compat` on the newest installable here."""
+
+logger = logging.getLogger("nvrx.torch_compat")
 
 AGENT_HOOKS = (
     "_initialize_workers", "_rendezvous", "_start_workers", "_monitor_workers",
@@ -38,9 +45,9 @@ AGENT_RESTARTS_LEFT = "_remaining_restarts"
 class TorchCompatError(RuntimeError):
     """A torch name nvrx-suite relies on is missing from the installed torch."""
 
-    def __init__(self, name: str, purpose: str):
+    def __init__(self, name: str, purpose: str, version: Optional[str] = None):
         super().__init__(
-            f"torch {torch.__version__} has no {name} ({purpose}); nvrx-suite was tested with torch "
+            f"torch {version or torch.__version__} has no {name} ({purpose}); nvrx-suite was tested with torch "
             f"{', '.join(TESTED_TORCH_VERSIONS)}: install one of those, or report this with the torch version"
         )
 
@@ -57,6 +64,19 @@ def require(owner: Any, attribute: str, purpose: str) -> Any:
 def require_all(owner: Any, attributes: Iterable[str], purpose: str) -> None:
     for attribute in attributes:
         require(owner, attribute, purpose)
+
+
+def torch_release(version: str) -> str:
+    """"2.13.0" of "2.13.0+cpu": the release, without the build's local label."""
+    return str(version).split("+", 1)[0]
+
+
+def require_tested_release(what: str, purpose: str, version: Optional[str] = None) -> None:
+    """For a torch behaviour no name can be checked for: TorchCompatError unless the installed
+    torch (`version`, default torch.__version__) is a release in TESTED_TORCH_VERSIONS."""
+    version = str(torch.__version__ if version is None else version)
+    if torch_release(version) not in TESTED_TORCH_VERSIONS:
+        raise TorchCompatError(f"{what} verified to work", purpose, version)
 
 
 # ---- torchrun -----------------------------------------------------------------------------
@@ -233,10 +253,51 @@ def reset_group_counter() -> None:
     world.group_count = 0
 
 
-def nccl_backend(group: Any) -> Any:
-    """The NCCL backend object of `group` (its abort() makes blocked collectives return)."""
-    get_backend = require(group, "_get_backend", "a process group's per-device backend")
-    return get_backend(torch.device("cuda"))
+# ---- gloo's pair handshake (the in-process abort) -------------------------------------------
+
+_GLOO_HANDSHAKE = "gloo's pair handshake"
+_GLOO_HANDSHAKE_PURPOSE = "the in-process abort imitates it to end a gloo group's wait for a peer that gave up"
+GLOO_SEQUENCE_FORMAT = "=q"
+"""A pair's sequence number as gloo's listener reads it off a new connection: 8 bytes, host order."""
+
+
+def gloo_sequence_numbers(world_size: int) -> range:
+    """The sequence numbers a gloo group's pairs of `world_size` ranks may wait for (0..2*world_size+1)."""
+    return range(2 * world_size + 2)
+
+
+def check_gloo_handshake(version: Optional[str] = None) -> None:
+    """Refuse a torch whose gloo was not verified to take release_gloo_connection_waits' connections:
+    on another gloo the connections could be misread, and a rank stuck creating a group would
+    stay stuck until its hard timeout with no word why. The in-process Wrapper calls it when a
+    wrapped call starts; `make compat` runs the handshake's test (test_inprocess_group_creation)
+    on the newest torch, and a release is added to TESTED_TORCH_VERSIONS once it passed there."""
+    require_tested_release(_GLOO_HANDSHAKE, _GLOO_HANDSHAKE_PURPOSE, version)
+
+
+def release_gloo_connection_waits(listeners: Iterable[Tuple[str, int]], world_size: int,
+                                  timeout: float = 0.5) -> int:
+    """End a gloo group constructor's wait for a peer's connection (nvrx_core.inprocess.abort).
+
+    A pair of a gloo group being created waits on its listening socket for a connection that
+    carries the pair's sequence number. This connects to each listener once per number in
+    gloo_sequence_numbers(world_size), sends it (GLOO_SEQUENCE_FORMAT) and closes the
+    connection at once: the waiting pair gets a connection that ends immediately and the
+    constructor raises ("Connection closed by peer"). Numbers no pair waits for are parked by
+    the listener and freed with the group. Returns the connections made.
+    """
+    check_gloo_handshake()
+    made = 0
+    for host, port in listeners:
+        for seq in gloo_sequence_numbers(world_size):
+            try:
+                with socket.create_connection((host, port), timeout=timeout) as conn:
+                    conn.sendall(struct.pack(GLOO_SEQUENCE_FORMAT, seq))
+                made += 1
+            except OSError as e:  # the listener is gone or full: nobody waits on it any more
+                logger.debug("releasing %s:%d (sequence %d): %s", host, port, seq, e)
+                break
+    return made
 
 
 # ---- tensors -------------------------------------------------------------------------------

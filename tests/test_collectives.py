@@ -191,3 +191,4 @@ def test_device_follows_the_backend(monkeypatch, backend, expected):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3 if "nccl" in backend else _no_cuda())
     assert str(group_device(object())) == expected
     assert str(group_device(None)) == "cpu"
+    assert collectives.is_nccl(object()) == (expected != "cpu") == collectives.is_nccl(backend)

@@ -1,6 +1,6 @@
 """Tearing down an iteration's distributed state so blocked ranks return.
 
-NCCL: ProcessGroupNCCL.abort() cancels outstanding work; then the groups are destroyed.
+NCCL: ProcessGroup.abort() (public) cancels outstanding work; then the groups are destroyed.
 
 Gloo has no working abort (abort(), shutdown() and destroy_process_group() on torch 2.13
 all leave a collective that is waiting for a peer blocked). What does release it is its
@@ -19,13 +19,13 @@ group timeout; when the peer gave up (its own connect failed: an ordinary except
 nothing else ends it, and no socket exists yet for the abort to shut down: the waiting
 side sits in the ProcessGroupGloo constructor until the hard timeout kills it. The one
 event that ends the wait is a connection on the group's listening socket carrying the
-sequence number the pair waits for. So release_connection_waits() connects to each
-listening socket opened during the iteration and sends the small sequence numbers gloo
-uses (0..2*world+1, 8 bytes each, host order), closing each connection at once: the
-waiting pair gets a connection that ends immediately, the constructor raises ("Connection
-closed by peer"), and the pending interruption turns that into a restart. It runs only
-for an aborted iteration whose main thread is stuck inside process-group creation.
-Numbers no pair waits for are parked by the listener and freed with the group.
+sequence number the pair waits for. So the monitor thread gives each listening socket
+opened during the iteration (IterationConnections.listeners) those connections, each
+closed at once (torch_compat.release_gloo_connection_waits: gloo's handshake, checked
+against the torch versions it was verified with): the waiting pair gets a connection that
+ends immediately, the constructor raises ("Connection closed by peer"), and the pending
+interruption turns that into a restart. It runs only for an aborted iteration whose main
+thread is stuck inside process-group creation.
 
 Destroying an aborted group can block: ~ProcessGroupGloo joins its worker threads, and a
 worker that was running a collective queued behind the failed one can sit in a receive
@@ -43,7 +43,6 @@ import gc
 import logging
 import os
 import socket
-import struct
 import threading
 from typing import Iterable, List, Optional, Set, Tuple
 
@@ -51,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from nvrx_core import torch_compat
+from nvrx_core.collectives import is_nccl
 
 logger = logging.getLogger("nvrx.inprocess")
 
@@ -155,24 +155,6 @@ def peer_port(fd: int) -> Optional[int]:
         return None
 
 
-def release_connection_waits(listeners: Iterable[Tuple[str, int]], world_size: int, timeout: float = 0.5) -> int:
-    """Connect to each listener with sequence numbers 0..2*world_size+1 (see the module docstring).
-
-    Returns the connections made.
-    """
-    made = 0
-    for host, port in listeners:
-        for seq in range(2 * world_size + 2):
-            try:
-                with socket.create_connection((host, port), timeout=timeout) as conn:
-                    conn.sendall(struct.pack("=q", seq))
-                made += 1
-            except OSError as e:  # the listener is gone or full: nobody waits on it any more
-                logger.debug("releasing %s:%d (sequence %d): %s", host, port, seq, e)
-                break
-    return made
-
-
 def process_groups() -> List[dist.ProcessGroup]:
     """Every live process group (the default one first)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -195,9 +177,13 @@ def reset_group_names() -> None:
 
 
 class AbortProcessGroups:
-    """Aborts (any thread) and destroys (main thread) the iteration's process groups."""
+    """Aborts (any thread) and destroys (main thread) the iteration's process groups.
+
+    Made when a wrapped call starts, so a torch whose gloo handshake this abort was not verified
+    with is refused there, before training, not in the middle of an abort."""
 
     def __init__(self, connections: IterationConnections, empty_cuda_cache: bool = True):
+        torch_compat.check_gloo_handshake()
         self.connections = connections
         self.empty_cuda_cache = empty_cuda_cache
         self._lock = threading.Lock()
@@ -217,8 +203,8 @@ class AbortProcessGroups:
         """Make blocked collectives return; safe from the monitor thread. Returns sockets shut down."""
         for group in process_groups():
             try:
-                if "nccl" in dist.get_backend(group):
-                    torch_compat.nccl_backend(group).abort()
+                if is_nccl(group):
+                    group.abort()
             except Exception as e:  # a group being destroyed concurrently, or no NCCL backend
                 logger.debug("abort of %s skipped: %s", group, e)
         return self.connections.shut_down()

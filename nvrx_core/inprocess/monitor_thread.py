@@ -15,7 +15,7 @@ Ending the iteration = abort communication (blocked collectives return) + interr
 main thread. It happens at most once per iteration. If the main thread is still stuck
 afterwards inside process-group creation, where neither can reach it (gloo waiting for a
 peer's connection), the listening sockets of the iteration are given the connections
-they wait for (abort.release_connection_waits), so the constructor raises.
+they wait for (torch_compat.release_gloo_connection_waits), so the constructor raises.
 
 The hard timeout does not depend on this thread: ProgressReporter (monitor_process.py)
 feeds the monitor process, so a store stall here cannot get a healthy rank killed.
@@ -28,7 +28,8 @@ import time
 from typing import Callable, List, Optional
 
 from nvrx_core import events as ev
-from nvrx_core.inprocess.abort import AbortProcessGroups, release_connection_waits
+from nvrx_core import torch_compat
+from nvrx_core.inprocess.abort import AbortProcessGroups
 from nvrx_core.inprocess.config import InProcessConfig
 from nvrx_core.inprocess.coordination import Coordinator, HeartbeatWatch, blind_gap
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
@@ -177,7 +178,7 @@ class MonitorThread(threading.Thread):
             return
         self._released = True
         listeners = self.abort.connections.listeners()
-        made = release_connection_waits(listeners, max(len(self._members), 1))
+        made = torch_compat.release_gloo_connection_waits(listeners, max(len(self._members), 1))
         logger.warning("rank %d is stuck creating a process group after the abort: gave its %d listening "
                        "socket(s) %d connection(s) to end gloo's connect wait", self.coord.rank, len(listeners), made)
 

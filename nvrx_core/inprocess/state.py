@@ -7,6 +7,7 @@ from typing import Any, ContextManager, FrozenSet, Optional, Tuple
 
 import torch.distributed as dist
 
+from nvrx_core.collectives import is_nccl
 from nvrx_core.inprocess.records import InterruptionRecord
 
 
@@ -52,7 +53,7 @@ class RestartState:
         until the hard timeout kills it. A collective longer than soft_timeout is interrupted
         anyway, and the soft timeout, coming first, still names the rank that stopped.
         """
-        if timeout is None and self._gloo_timeout is not None and "gloo" in backend and "nccl" not in backend:
+        if timeout is None and self._gloo_timeout is not None and "gloo" in backend and not is_nccl(backend):
             timeout = datetime.timedelta(seconds=self._gloo_timeout)
         if timeout is not None:
             kwargs["timeout"] = timeout
