@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as _c10d
 
-from nvrx_core import torch_compat
+from nvrx_core import teardown, torch_compat
 
 logger = logging.getLogger("nvrx.collectives")
 
@@ -56,20 +56,14 @@ _HEADER = struct.Struct("<Q")  # payload length in front of each padded buffer
 RELEASE_TIMEOUT_S = 10.0
 """How long wait_released waits for the backend to drop its references."""
 
-_HELD_UNTIL_EXIT: List[torch.Tensor] = []
-"""Tensors the backend still held after RELEASE_TIMEOUT_S. Deliberately process-wide: they
-must outlive every object of ours, so the backend's thread is never the one that drops
-their Python objects. Never seen filled with gloo (it would take a thread descheduled for
-RELEASE_TIMEOUT_S)."""
-
-
 def wait_released(tensors: Sequence[torch.Tensor], timeout: float = RELEASE_TIMEOUT_S) -> None:
     """Return once torch.distributed holds no reference to any of `tensors`.
 
     Call it after the operations on them completed (wait() returned, the work objects
     dropped), while the caller holds its own references: those are then the last ones, so
     the tensors are freed on the caller's thread (see the module docstring). A tensor the
-    backend still holds after `timeout` seconds is kept until the process exits instead.
+    backend still holds after `timeout` seconds is kept until the process exits instead
+    (teardown.keep_until_exit; never seen with gloo: it takes a thread descheduled that long).
     """
     deadline = time.monotonic() + timeout
     pause = 0.0
@@ -80,7 +74,7 @@ def wait_released(tensors: Sequence[torch.Tensor], timeout: float = RELEASE_TIME
         if time.monotonic() >= deadline:
             logger.warning("torch.distributed still holds %d tensor(s) %.0f s after the operation "
                            "completed; keeping them until the process exits", len(held), timeout)
-            _HELD_UNTIL_EXIT.extend(held)
+            teardown.keep_until_exit(held)
             return
         time.sleep(pause)       # the backend's thread needs the CPU, not the GIL
         pause = min(max(2 * pause, 1e-4), 0.01)

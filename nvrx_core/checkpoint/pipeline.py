@@ -22,12 +22,11 @@ The worker is a daemon thread, which the interpreter does not wait for at exit: 
 it wherever it is, and when a worker inside a collective or a write returns from that call
 into a finalizing interpreter, the thread's exit aborts the process (std::terminate, exit
 code -6). So a pipeline still running at exit (its owner never called close()) is closed
-by an exit hook, while the interpreter is still whole: the saves in flight are finished,
-as close() would. The hook is one of threading's exit hooks (run last registered first),
-so it runs before concurrent.futures' own stops the writer threads from taking work.
+while the interpreter is still whole (nvrx_core.teardown.finish_before_exit): the saves in
+flight are finished, as close() would, before concurrent.futures stops the writer threads
+from taking work.
 """
 
-import atexit
 import concurrent.futures
 import dataclasses
 import logging
@@ -43,6 +42,7 @@ from nvrx_core.checkpoint.errors import CheckpointError, SnapshotModifiedError
 from nvrx_core.checkpoint.layout import FileEntry, rank_prefix
 from nvrx_core.checkpoint.shards import SaveAborted, write_shard
 from nvrx_core.checkpoint.staging import HostStager, StagedState, StagingJob
+from nvrx_core.teardown import finish_before_exit
 
 logger = logging.getLogger("nvrx.checkpoint")
 
@@ -331,12 +331,10 @@ def _close_running_at_exit(pipeline: SavePipeline) -> None:
     global _hook_registered
     with _hook_lock:
         _running.add(pipeline)
+        # registered after the writer pool exists (concurrent.futures.thread registered its
+        # own hook when imported): last registered, ours runs first
         if not _hook_registered:
-            # threading's exit hooks run before concurrent.futures refuses new work
-            # (it registered its own at import, earlier); atexit's run after that.
-            register = getattr(threading, "_register_atexit", atexit.register)
-            register(_close_all_running)
-            _hook_registered = True
+            _hook_registered = finish_before_exit(_close_all_running)
 
 
 def _close_all_running() -> None:

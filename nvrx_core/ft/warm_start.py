@@ -21,6 +21,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from nvrx_core.ft import forked_server
 from nvrx_core.ft.respawn_marker import LAUNCHER_POLICY_ENV, RESPAWN_POLICY
 from nvrx_core.signals import STOP_REQUEST_SIGNALS
+from nvrx_core.teardown import keep_until_exit
 
 # fork_server_signals first: the server ignores a job-wide stop signal from then on (its docstring).
 # torch._dynamo: DistributedDataParallel (and torch.compile) import it on first use, ~1.7 s.
@@ -32,14 +33,6 @@ _RESTART_POLICY_FLAGS = ("--ft-restart-policy", "--ft-restart_policy", "--restar
 
 PYTHON_EXEC_ENV = "PYTHON_EXEC"
 """torchrun's choice of interpreter for the script (default: its own)."""
-
-_KEPT_UNTIL_EXIT: list = []
-"""The finished script's globals (its DDP model, optimizer, process groups). Freed in the main
-thread right after the last collective, a DDP reducer's destructor can wait for a gloo worker
-thread that waits for the GIL the destructor holds: both wait forever, and the agent never
-collects the worker's result. The worker process ends with os._exit (multiprocessing), so
-what is kept here is never destroyed at all."""
-
 
 _SERVER_ENV: List[Dict[str, str]] = []
 """The environment the fork server started with (its children's, before torch adds each
@@ -174,20 +167,26 @@ def become_like_a_fresh_interpreter() -> None:
 def run_target(environment: str, kind: str, target: str, *argv: str) -> None:
     """Entry point of a warm-started worker: behave like `python -u [-m] target argv`, in the
     environment the launcher had when it started the workers (`environment`: JSON of
-    environment_since_server_start())."""
+    environment_since_server_start()).
+
+    The finished script's globals (its DDP model, optimizer, process groups) are kept until the
+    worker exits (nvrx_core.teardown): freed on the main thread right after the last collective,
+    a DDP reducer's destructor can wait for a gloo worker thread that waits for the GIL the
+    destructor holds, and the agent never collects the worker's result. The worker ends with
+    os._exit (multiprocessing), so they are never destroyed at all."""
     apply_launcher_environment(json.loads(environment))
     become_like_a_fresh_interpreter()
     try:
         if kind == "module":
             sys.argv = [target, *argv]
             sys.path.insert(0, os.getcwd())
-            _KEPT_UNTIL_EXIT.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
+            keep_until_exit(runpy.run_module(target, run_name="__main__", alter_sys=True))
         else:
             sys.argv = [target, *argv]
             sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            _KEPT_UNTIL_EXIT.append(runpy.run_path(target, run_name="__main__"))
+            keep_until_exit(runpy.run_path(target, run_name="__main__"))
     except SystemExit as e:
-        _KEPT_UNTIL_EXIT.append(e)  # its traceback holds the script's frames and globals
+        keep_until_exit(e)  # its traceback holds the script's frames and globals
         # sys.exit(0) is success; torch's function entrypoint path expects a plain return.
         if e.code not in (None, 0):
             raise

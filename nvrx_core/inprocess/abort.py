@@ -36,9 +36,11 @@ collective whose worker still needs the GIL to free its tensors. So the groups a
 referenced from their creation on, and release() hands the references to a daemon
 thread that drops them: torch releases the GIL while destroying a process group, so a
 destructor that waits for a stuck worker only holds up that thread, never training.
+The interpreter's exit waits for that thread (nvrx_core.teardown.finish_before_exit),
+bounded by REAPER_EXIT_WAIT_S: a worker stuck in a receive until the group's timeout is
+not waited for.
 """
 
-import atexit
 import gc
 import logging
 import os
@@ -49,7 +51,7 @@ from typing import Iterable, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from nvrx_core import torch_compat
+from nvrx_core import teardown, torch_compat
 from nvrx_core.collectives import is_nccl
 
 logger = logging.getLogger("nvrx.inprocess")
@@ -230,22 +232,8 @@ class AbortProcessGroups:
         if held:
             reaper = threading.Thread(target=held.clear, name="nvrx-inprocess-pg-reaper", daemon=True)
             reaper.start()
-            _join_before_exit(reaper)
+            teardown.finish_before_exit(reaper.join, REAPER_EXIT_WAIT_S)
 
 
 REAPER_EXIT_WAIT_S = 30.0
 """How long a finishing interpreter waits for a reaper still destroying aborted groups."""
-
-
-def _join_before_exit(reaper: threading.Thread) -> None:
-    """An aborted group's gloo workers must be gone before the interpreter finalizes: a worker
-    still running then needs the GIL to free a tensor of the failed collective, and its
-    thread's exit through a noexcept destructor ends the process with std::terminate (exit
-    -6 after a job that recovered in-process and finished). So the interpreter's exit waits
-    for the reaper, bounded: a worker stuck in a receive until the group's timeout is not
-    waited for. threading's exit hooks run before the interpreter tears anything down."""
-    register = getattr(threading, "_register_atexit", atexit.register)
-    try:
-        register(reaper.join, REAPER_EXIT_WAIT_S)
-    except RuntimeError:  # the interpreter is already exiting: nothing can be registered
-        pass
