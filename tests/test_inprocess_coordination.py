@@ -20,7 +20,7 @@ from harness import wait_for
 
 from nvrx_core.events import EventLog
 from nvrx_core.inprocess import InProcessConfig
-from nvrx_core.inprocess.coordination import Coordinator, HeartbeatWatch
+from nvrx_core.inprocess.coordination import POLL_MAX, POLL_MAX_FIRST_SECOND, POLL_MIN, Coordinator, HeartbeatWatch, Poller
 from nvrx_core.inprocess.errors import BarrierTimeout, RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
 from nvrx_core.inprocess.monitor_thread import MonitorThread
@@ -28,6 +28,7 @@ from nvrx_core.inprocess.planning import Plan
 from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.wrapper import _Call
 from nvrx_core.inprocess.store import STORE_ENV, StoreSetupError, endpoint_from_env
+from harness.clock import FakeClock
 from harness.stores import host_store
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,6 +126,32 @@ def test_heartbeat_watch_uses_its_own_clock():
     now[0] += 3
     watch.update({1: b"6", 2: b"9"})
     assert watch.stale(2.0) == [2]
+
+
+def test_poller_stays_tight_for_the_first_second_then_backs_off():
+    """A replacement joins ~0.1 s into a wait: its polls must not be 50 ms apart then."""
+    clock, slept = FakeClock(), []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        clock.advance(seconds)
+
+    poller = Poller(sleep=sleep, clock=clock)
+    while clock.now - 1000.0 < 3.0:
+        poller.wait()
+    first_second = [s for s, at in zip(slept, _elapsed(slept)) if at < 1.0]
+    assert slept[0] == POLL_MIN
+    assert max(first_second) <= POLL_MAX_FIRST_SECOND
+    assert max(slept) == POLL_MAX
+
+
+def _elapsed(sleeps):
+    """When each sleep began, counted from the first."""
+    at, out = 0.0, []
+    for seconds in sleeps:
+        out.append(at)
+        at += seconds
+    return out
 
 
 def test_store_endpoint_prefers_an_external_store_then_the_agents():

@@ -19,7 +19,8 @@ from nvrx_core.inprocess.planning import first_plan, next_plan
 from nvrx_core.inprocess.rank_assignment import default_policy
 from nvrx_core.inprocess.records import Cause
 from nvrx_core.inprocess.replacement import wait_for_replacements
-from nvrx_core.inprocess.roll_forward import _flatten, roll_forward
+from nvrx_core.inprocess import roll_forward as roll_forward_module
+from nvrx_core.inprocess.roll_forward import _buckets, _flatten, roll_forward
 from harness.stores import host_store
 
 STEPS = "40"
@@ -134,11 +135,13 @@ def _roll(rank, world, port, out_dir):
         optimizer.step()
     state = type("State", (), {"rank": rank, "respawned": frozenset({1})})()
     committed = {0: 7, 1: 9, 2: 8}[rank]                       # rank 1's 9 does not count: it is fresh
+    weight_memory = model.weight.data_ptr()
     step = roll_forward(state, committed, {"model": model, "optimizer": optimizer, "progress": progress})
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     moments = torch.cat([optimizer.state[p]["exp_avg"].flatten() for p in model.parameters()])
     torch.save({"step": step, "weights": weights, "moments": moments, "progress": progress,
-                "adam_step": [optimizer.state[p]["step"] for p in model.parameters()]}, f"{out_dir}/rank{rank}.pt")
+                "adam_step": [optimizer.state[p]["step"] for p in model.parameters()],
+                "weight_in_place": model.weight.data_ptr() == weight_memory}, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -153,6 +156,15 @@ def test_roll_forward_sends_the_newest_committed_state_to_every_rank_that_lacks_
         assert torch.equal(result["moments"], results[2]["moments"])
         assert result["progress"] == {"epoch": 2, "samples": [2]}
         assert [int(s) for s in result["adam_step"]] == [1, 1]
+        assert result["weight_in_place"]                      # received into the model's own tensors
+
+
+def test_roll_forward_buckets_by_dtype_and_size(monkeypatch):
+    """A few collectives for many small tensors; a bucket never mixes dtypes or grows past its bound."""
+    monkeypatch.setattr(roll_forward_module, "BUCKET_BYTES", 64)
+    f32, u8 = torch.float32, torch.uint8
+    specs = [("a", f32, [4]), ("b", f32, [2, 2]), ("c", f32, []), ("d", u8, [8]), ("e", f32, [32]), ("f", f32, [1])]
+    assert [[path for path, _, _ in bucket] for bucket in _buckets(specs)] == [["a", "b", "c"], ["d"], ["e"], ["f"]]
 
 
 def test_state_that_cannot_travel_is_named():

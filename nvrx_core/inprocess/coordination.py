@@ -36,6 +36,10 @@ from nvrx_core.inprocess.records import Cause, InterruptionRecord
 logger = logging.getLogger("nvrx.inprocess")
 
 POLL_MIN, POLL_MAX = 0.002, 0.05
+# A wait that ends within its first second is a restart's critical path (a replacement joins
+# in ~0.1 s); polling it at most this far apart keeps the overshoot small, and after the
+# first second the store's load matters more than the latency.
+POLL_MAX_FIRST_SECOND = 0.01
 COMPLETED, RESTART = "completed", "restart"
 REVIVED = "revived"
 
@@ -43,13 +47,15 @@ REVIVED = "revived"
 class Poller:
     """Sleeps between polls: fast at first (restarts are latency-critical), then backing off."""
 
-    def __init__(self, sleep: Callable[[float], None] = time.sleep):
-        self._sleep = sleep
+    def __init__(self, sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
+        self._sleep, self._clock = sleep, clock
+        self._started = clock()
         self._delay = POLL_MIN
 
     def wait(self) -> None:
         self._sleep(self._delay)
-        self._delay = min(POLL_MAX, self._delay * 1.5)
+        cap = POLL_MAX_FIRST_SECOND if self._clock() - self._started < 1.0 else POLL_MAX
+        self._delay = min(cap, self._delay * 1.5)
 
 
 class HeartbeatWatch:

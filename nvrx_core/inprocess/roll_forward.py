@@ -13,8 +13,8 @@ sends its state to the others over the iteration's process group:
 `committed_step` is the number of steps this rank has applied (None: it holds no state, as a
 replacement). Steps are committed with `with state.atomic(): optimizer.step(); step += 1`, so
 an interruption never leaves one half applied. The sender's state goes out as its structure
-first (JSON: names, numbers, and each tensor's dtype and shape), then the tensors one by one,
-received straight into the receiver's own tensor of that name where shape and dtype match
+first (JSON: names, numbers, and each tensor's dtype and shape), then the tensors in a few
+buckets, copied into the receiver's own tensor of that name where shape and dtype match
 (a model's parameters) and into new ones otherwise (an optimizer that has not stepped yet);
 then every object's load_state_dict. It assumes replicated state (DDP): a sharded model
 has no single rank that holds all of it, and must reload its checkpoint instead.
@@ -89,31 +89,62 @@ def _load(obj: Any, value: Any) -> None:
 
 def _transfer_tensors(coll: Collectives, src: int, structure: Any, own: Optional[Tuple[Any, List[torch.Tensor]]],
                       receiving: bool) -> List[torch.Tensor]:
-    """Broadcast every tensor of `structure` from `src`; the receivers' copies, in order."""
-    specs = _tensor_specs(structure)
+    """Broadcast every tensor of `structure` from `src`; the receivers' copies, in order.
+
+    Tensors go in buckets (one dtype, up to BUCKET_BYTES each): a model's few hundred small
+    tensors cost a few collectives, not a few hundred, and no bucket doubles the memory of
+    more than BUCKET_BYTES.
+    """
     mine = own[1] if own is not None else {}
     received: List[torch.Tensor] = []
     root = coll.global_rank(src)
-    for path, dtype, shape in specs:
+    for bucket in _buckets(_tensor_specs(structure)):
+        dtype = bucket[0][1]
         if coll.rank == src:
-            buffer = mine[path].detach().to(coll.device).contiguous()
+            flat = torch.cat([mine[path].detach().reshape(-1).to(coll.device) for path, _, _ in bucket])
         else:
-            buffer = _receiving_buffer(mine.get(path) if receiving else None, dtype, shape, coll.device)
-        _c10d.broadcast(buffer, src=root, group=coll.group)
+            flat = torch.empty(sum(_numel(shape) for _, _, shape in bucket), dtype=dtype, device=coll.device)
+        _c10d.broadcast(flat, src=root, group=coll.group)
         if coll.device.type == "cpu":
-            wait_released([buffer])
+            wait_released([flat])
         if receiving:
-            received.append(buffer)
+            offset = 0
+            for path, _, shape in bucket:
+                part = flat[offset:offset + _numel(shape)].view(shape)
+                offset += _numel(shape)
+                received.append(_receive_into(mine.get(path), part))
     return received
 
 
-def _receiving_buffer(own: Optional[torch.Tensor], dtype: torch.dtype, shape: List[int],
-                      device: torch.device) -> torch.Tensor:
-    """The receiver's own tensor where it can take the data in place, else a new one."""
-    if (own is not None and own.dtype == dtype and list(own.shape) == shape and own.device == device
-            and own.is_contiguous()):
-        return own.detach()
-    return torch.empty(shape, dtype=dtype, device=device)
+BUCKET_BYTES = 32 << 20
+
+
+def _buckets(specs: List[Tuple[str, torch.dtype, List[int]]]) -> List[List[Tuple[str, torch.dtype, List[int]]]]:
+    """Consecutive specs of one dtype, up to BUCKET_BYTES each (a larger tensor is a bucket alone)."""
+    buckets: List[List[Tuple[str, torch.dtype, List[int]]]] = []
+    size = 0
+    for spec in specs:
+        nbytes = _numel(spec[2]) * spec[1].itemsize
+        if not buckets or buckets[-1][0][1] != spec[1] or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(spec)
+        size += nbytes
+    return buckets
+
+
+def _numel(shape: List[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _receive_into(own: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
+    """The receiver's own tensor, overwritten in place where it can take the data, else a copy."""
+    if own is not None and own.dtype == part.dtype and own.shape == part.shape and own.device == part.device:
+        return own.detach().copy_(part)
+    return part.clone()
 
 
 def _tensor_specs(structure: Any) -> List[Tuple[str, torch.dtype, List[int]]]:
