@@ -12,6 +12,31 @@ interpreter is only that the preloaded modules are imported already.
 
 Tests of the launcher's own process handling start real interpreters with subprocess; this
 is for the ranks and jobs that those tests do not cover.
+
+Why a fork server of the tests' own, beside the product's (nvrx_core/ft/warm_start.py over
+multiprocessing's "forkserver", started by forking where torch is loaded: ft/forked_server.py).
+The product's runs ft_launcher's workers, each a multiprocessing Process that runs the script
+(`warm_start.run_target`); what the tests need from `popen` it cannot give:
+- A Popen handle. The tests drive a child as they drive subprocess.Popen (pid, poll, wait with a
+  timeout, send_signal, communicate, returncode -N for a signal; harness.launcher and
+  harness.ranks.TorchrunLikeRanks take either). A Process has join, exitcode and a sentinel, and
+  only its parent, the process that started it, may wait for it.
+- Each child's own standard streams, environment and working directory. A forkserver child has
+  the server's stdout, stderr and working directory, stdin replaced by /dev/null (Process
+  bootstrap), and the environment the server started with; run_target applies only the one set of
+  changes the launcher made since then. Tests read a rank's output through a pipe or a log file,
+  write to its stdin, and give each rank its own RANK, cwd, PYTHONPATH.
+- The interpreter's own exit. A Process ends with os._exit after its target: multiprocessing's
+  finalizers and non-daemon threads run, atexit handlers (logging.shutdown's among them) never
+  do; `python script.py` runs them, and test_warm_python checks that a popen child does.
+- A preload per kind of job. multiprocessing keeps one fork server per process, its preload fixed
+  when it starts; the tests need torch alone, torch with Lightning, and torch with the launcher
+  (LIGHTNING, LAUNCHER below), one warm process each, in the same test process.
+- ft_launcher itself as the child (harness.launcher.run_launcher): the launcher under test must be
+  a plain main process holding torch, which then forks its own fork server (forked_server's path,
+  tested that way), not a worker inside another launcher's machinery.
+`forkserver_context()` below is no second mechanism: it is multiprocessing's fork server, the one
+the product builds on, for tests whose ranks are Process targets (harness.ranks.spawn_ranks).
 """
 
 import atexit
