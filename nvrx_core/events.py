@@ -25,6 +25,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from nvrx_core import dist_env
+
 EVENTS_FILE_ENV = "NVRX_EVENTS_FILE"
 LAUNCHER_ID_ENV = "NVRX_LAUNCHER_ID"
 EVENTS_FORMAT = 1
@@ -88,14 +90,6 @@ def new_launcher_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def _env_int(name: str) -> Optional[int]:
-    value = os.environ.get(name)
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 class EventLog:
     """Appends events to a JSON-lines file; with no path it only logs them (debug level)."""
 
@@ -129,8 +123,8 @@ class EventLog:
         """The event log of a worker process, as set up by ft_launcher (or a no-file log)."""
         return cls(
             os.environ.get(EVENTS_FILE_ENV),
-            rank=_env_int("RANK"),
-            cycle=_env_int("TORCHELASTIC_RESTART_COUNT"),
+            rank=dist_env.rank(optional=True),
+            cycle=dist_env.restart_count(optional=True),
             source=source,
         )
 

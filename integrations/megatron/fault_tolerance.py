@@ -38,6 +38,7 @@ import operator
 import os
 from typing import Any, Optional
 
+from nvrx_core import dist_env
 from nvrx_core.ft.faults import FaultInjector
 from nvrx_core.ft.learning_rules import PerTimeoutEvidence
 from nvrx_core.ft.loop import MonitoredLoop, SectionRule
@@ -211,7 +212,7 @@ def _rank() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
+    return dist_env.rank()
 
 
 def _world_size() -> int:
@@ -219,4 +220,4 @@ def _world_size() -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
+    return dist_env.world_size()

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import IO, Callable, Dict, Iterable, Iterator, Optional
 
+from nvrx_core import dist_env
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
@@ -44,13 +45,6 @@ STATE_VERSION = 1
 
 _HEARTBEAT = encode("hb")
 _END_ALL = encode("sea")
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 class RankMonitorClient(NVRxClientNames):
@@ -107,8 +101,8 @@ class RankMonitorClient(NVRxClientNames):
             return True
         init = encode(
             "init",
-            rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0), pid=os.getpid(),
-            cycle=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+            rank=dist_env.rank(), local_rank=dist_env.local_rank(), pid=os.getpid(),
+            cycle=dist_env.restart_count(),
         )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(connect_timeout)

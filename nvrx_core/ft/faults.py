@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Union
 
+from nvrx_core import dist_env
 from nvrx_core import events as ev
 from nvrx_core.config import ConfigError, check
 
@@ -75,9 +76,9 @@ class FaultInjector:
     def __init__(self, fault: SimulatedFault, rank: Optional[int] = None, world_size: Optional[int] = None,
                  cycle: Optional[int] = None):
         self.fault = fault
-        self.rank = rank if rank is not None else int(os.environ.get("RANK", 0))
-        world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-        self.cycle = cycle if cycle is not None else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.rank = rank if rank is not None else dist_env.rank()
+        world = world_size if world_size is not None else dist_env.world_size()
+        self.cycle = cycle if cycle is not None else dist_env.restart_count()
         rng = random.Random(fault.seed)
         self.target_rank = fault.rank_to_fail if fault.rank_to_fail is not None else rng.randrange(world)
         self.kind = fault.fault_type

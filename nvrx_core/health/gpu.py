@@ -12,9 +12,9 @@ Items a GPU or driver does not support are skipped (noted in the detail).
 NVLHealthCheck: every NVLink the device has must be up.
 """
 
-import os
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
 
+from nvrx_core import dist_env
 from nvrx_core.health.nvml import NvmlSession, NvmlUnavailable, is_not_supported, process_nvml
 from nvrx_core.health.result import HealthResult, Status
 
@@ -33,7 +33,7 @@ def resolve_devices(devices: Devices) -> Optional[List[int]]:
     if devices is None:
         return None
     if devices == "local":
-        return [int(os.environ.get("LOCAL_RANK", "0"))]
+        return [dist_env.local_rank()]
     if isinstance(devices, int):
         return [devices]
     if isinstance(devices, str):

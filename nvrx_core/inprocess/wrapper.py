@@ -23,6 +23,7 @@ import time
 import typing
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from nvrx_core import dist_env
 from nvrx_core import events as ev
 from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections, open_sockets, peer_port
 from nvrx_core.inprocess.config import InProcessConfig
@@ -101,8 +102,8 @@ class _Call:
         self.health = HealthGate(wrapper.health_check)
         self.fn, self.state_param, self.name = fn, state_param, name
         env = os.environ
-        self.rank, self.world_size = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        self.rank, self.world_size = dist_env.rank(env), dist_env.world_size(env)
+        self.local_rank = dist_env.local_rank(env)
         self.node = node_of(env, self.rank)
         self.events = ev.EventLog.from_env(source="inprocess")
         self.saved_env = {k: env.get(k) for k in ("RANK", "WORLD_SIZE")}

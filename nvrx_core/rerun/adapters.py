@@ -7,13 +7,14 @@ its own: extra state to snapshot, or the identity of a device that cannot exist 
 """
 
 import dataclasses
-import os
 import random
 import socket
 import sys
 from typing import Any, Callable, Optional, Protocol
 
 import torch
+
+from nvrx_core import dist_env
 
 
 class StateAdapter(Protocol):
@@ -152,5 +153,5 @@ def local_device_identity(device: torch.device) -> DeviceIdentity:
         index = device.index if device.index is not None else torch.cuda.current_device()
         uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
         return DeviceIdentity(host, f"cuda:{index}", str(uuid) if uuid is not None else None)
-    slot = device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+    slot = device.index if device.index is not None else dist_env.local_rank()
     return DeviceIdentity(host, f"{device.type}:{slot}")

@@ -24,13 +24,13 @@ into one event, agreed by all ranks with one integer all-reduce.
 
 import functools
 import logging
-import os
 import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from nvrx_core import dist_env
 from nvrx_core import events as ev
 from nvrx_core.events import EventLog
 from nvrx_core.exit_codes import ExitCode
@@ -355,7 +355,7 @@ class RerunStateMachine:
     def _rank(self) -> int:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank()
-        return int(os.environ.get("RANK", "0"))
+        return dist_env.rank()
 
     def _record(self, status: str, failed: FailedCall, result: Any, diagnosis: Optional[str] = None, detail: str = "") -> None:
         self._reporter.record(
