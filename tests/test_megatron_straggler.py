@@ -2,19 +2,20 @@
 
 In one process (a world of one, clocks injected): disabled is a no-op, initialize twice is
 refused, per-instance detectors, a slowed rank ends in a stop answer, bad arguments are
-named. Across spawned gloo ranks: a slow rank is flagged and every rank answers "stop" at
-the same step.
+named. Across spawned gloo ranks, on recorded timings (harness.timeline): a slow rank is flagged
+and every rank answers "stop" at the same step.
 """
 
 import datetime
 import json
 import logging
 import os
-import time
 
 import pytest
 import torch.distributed as dist
+from harness.clock import FakeClock
 from harness.ranks import run_spawned_ranks
+from harness.timeline import all_arrive
 
 from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
@@ -24,14 +25,6 @@ from nvrx_megatron.nvrx_straggler import (
     check_nvrx_straggler_detection,
     safe_shutdown_nvrx_straggler_manager,
 )
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def _config(**fields):
@@ -184,14 +177,15 @@ def _rank_main(rank, world, port, out_dir):
     try:
         config = NVRxStragglerDetectionConfig(enabled=True, report_time_interval=0.5, stop_if_detected=True,
                                               gpu_relative_perf_threshold=0.8, num_gpu_perf_scores_to_print=0)
-        manager = NVRxStragglerDetectionManager(config)
+        clock = FakeClock()  # recorded timings (harness.timeline): the ranking never reads the host's clock
+        manager = NVRxStragglerDetectionManager(config, clock=clock, timer=clock)
         manager.initialize()
         step_s = 0.030 if rank == SLOW_RANK else 0.015  # the slow rank takes twice as long
 
         def train_step():
-            time.sleep(step_s)
+            clock.advance(step_s)
             with manager.section("grad_sync", kind="wait"):
-                dist.barrier()  # the fast ranks wait here for the slow one, as in data parallel
+                all_arrive(clock)  # the fast ranks wait here for the slow one, as in data parallel
 
         train_step = manager.wrap_train_step_function(train_step)
         stopped_at = None

@@ -8,14 +8,7 @@ import logging
 
 from nvrx_core.events import STRAGGLER_FOUND, EventLog, read_events
 from nvrx_core.straggler import Detector, StragglerConfig
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from harness.clock import FakeClock
 
 
 def _steps(detector, clock, n, fwd_s):

@@ -20,14 +20,7 @@ from nvrx_core.straggler import (
     Straggler,
     StragglerConfig,
 )
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
+from harness.clock import FakeClock
 
 
 def make(tmp_path, clock, **config):
@@ -52,8 +45,8 @@ def test_reports_on_time_with_few_schedule_checks(tmp_path):
     clock = FakeClock()
     detector = make(tmp_path, clock, report_time_interval=1.0, schedule_checks_per_interval=4)
     checks = []
-    real = detector._coll.max_floats
-    detector._coll.max_floats = lambda values: checks.append(values) or real(values)
+    real = detector._coll.all_reduce_max
+    detector._coll.all_reduce_max = lambda values: checks.append(values) or real(values)
     reports = run_steps(detector, clock, 1000)  # 10 s of 10 ms steps
     assert len(reports) == 10
     for _, report in reports:

@@ -5,17 +5,7 @@ torch.cuda.Event that reports the injected clock's times)."""
 import pytest
 
 from nvrx_core.straggler.timers import COMPUTE, WAIT, EventPool, TimingStore, wrap_callable
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, seconds):
-        self.now += seconds
+from harness.clock import FakeClock
 
 
 class FakeEvent:
@@ -43,7 +33,7 @@ def timed(store, clock, name, seconds, kind=COMPUTE):
 
 
 def test_per_step_figures_are_sums_of_section_medians():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     for fwd_ms in (10, 11, 30):  # one outlier step
         timed(store, clock, "fwd", fwd_ms / 1e3)
@@ -62,7 +52,7 @@ def test_per_step_figures_are_sums_of_section_medians():
 def test_stalls_in_different_sections_do_not_add_up():
     """Each step has one stalled section, in turn: every section's median stays normal, and
     so does the per-step figure (a median of per-step sums would be 30 ms)."""
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     for step in range(6):
         timed(store, clock, "fwd", 0.025 if step % 2 == 0 else 0.005)
@@ -80,7 +70,7 @@ def test_stalls_in_different_sections_do_not_add_up():
 
 
 def test_wait_nested_in_compute_is_subtracted_and_nested_compute_not_double_counted():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     with store.section("backward"):
         clock.advance(0.004)
@@ -96,7 +86,7 @@ def test_wait_nested_in_compute_is_subtracted_and_nested_compute_not_double_coun
 
 
 def test_reentering_a_section_is_an_error_and_failed_entries_are_not_recorded():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     section = store.section("fwd")
     with pytest.raises(RuntimeError, match="entered again"):
@@ -112,7 +102,7 @@ def test_reentering_a_section_is_an_error_and_failed_entries_are_not_recorded():
 
 
 def test_inactive_store_records_nothing():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     store.active = False
     timed(store, clock, "fwd", 0.01)
@@ -122,7 +112,7 @@ def test_inactive_store_records_nothing():
 
 
 def test_section_names_and_kinds_are_checked():
-    store = TimingStore(FakeClock())
+    store = TimingStore(FakeClock(now=0.0))
     store.section("fwd")
     with pytest.raises(ValueError, match="is a 'compute' section, not 'wait'"):
         store.section("fwd", WAIT)
@@ -133,7 +123,7 @@ def test_section_names_and_kinds_are_checked():
 
 
 def test_cuda_time_of_nested_waits_is_subtracted():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock, EventPool(lambda: FakeEvent(clock, gpu_factor=1.0)))
     with store.section("backward"):
         clock.advance(0.006)
@@ -145,7 +135,7 @@ def test_cuda_time_of_nested_waits_is_subtracted():
 
 
 def test_cuda_events_read_back_at_report_time_and_reused():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     pool = EventPool(lambda: FakeEvent(clock, gpu_factor=0.5))  # GPU busy half the wall time
     store = TimingStore(clock, pool)
     FakeEvent.created = 0
@@ -168,7 +158,7 @@ def test_cuda_events_read_back_at_report_time_and_reused():
 
 
 def test_reset_keeps_section_objects_usable():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
     fwd = store.section("fwd")
     timed(store, clock, "fwd", 0.01)
@@ -179,7 +169,7 @@ def test_reset_keeps_section_objects_usable():
 
 
 def test_wrap_callable_times_each_call_and_keeps_metadata():
-    clock = FakeClock()
+    clock = FakeClock(now=0.0)
     store = TimingStore(clock)
 
     def forward(x):

@@ -2,6 +2,7 @@
 
 - `wait_for`: poll a condition with a generous deadline (harness/waiting.py).
 - `clock.FakeClock`: time a test advances, for decisions about timeouts.
+- `timeline.all_arrive`: a collective on ranks' FakeClocks (recorded timings for straggler rankings).
 - `node_monitor.NodeMonitorOnThread`, `Rank`: a real FT node monitor on a thread, real rank processes.
 - `ranks.spawn_ranks` / `run_spawned_ranks` / `TorchrunLikeRanks`: N rank processes.
 - `stores.host_store` / `store_process` / `stop`: the TCPStore a test holds.
