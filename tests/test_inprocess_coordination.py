@@ -218,34 +218,49 @@ def test_atomic_block_defers_the_interruption_to_its_end(interrupter):
     assert finished_block
 
 
-def test_progress_stops_while_the_main_thread_is_blocked_in_c():
-    progress = MainThreadProgress()
-    stop = threading.Event()
-    idle_seen = []
-
-    def poker():
-        while not stop.wait(0.02):
-            progress.poke()
-
-    thread = threading.Thread(target=poker)
-    thread.start()
+def _blocked_reading(tid: int, fd: int) -> bool:
+    """Whether thread `tid` of this process is inside a read(2) of `fd`, as the kernel says
+    (/proc's syscall file: the call's number, then its arguments; read's first is the fd)."""
     try:
-        busy_until = time.monotonic() + 0.3
-        while time.monotonic() < busy_until:  # Python running: progress keeps up
-            pass
-        assert progress.idle_for() < 0.2
-        sampler = threading.Timer(0.5, lambda: idle_seen.append(progress.idle_for()))
-        sampler.start()
-        time.sleep(0.8)  # a C call: no bytecode, so no progress while it lasts
-        sampler.join()
-        assert idle_seen[0] >= 0.4, "progress advanced while the main thread was blocked"
-        deadline = time.monotonic() + 2
-        while progress.idle_for() > 0.2 and time.monotonic() < deadline:  # Python again: progress resumes
-            pass
-        assert progress.idle_for() <= 0.2
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return False
+    return len(fields) > 1 and fields[0] not in ("running", "-1") and int(fields[1], 16) == fd
+
+
+def test_progress_stops_while_the_main_thread_is_blocked_in_c():
+    """poke() queues a call the main thread runs between two bytecodes: it stamps the clock
+    while Python runs, and not while the main thread is blocked in C. On a FakeClock: what is
+    judged is whether the stamp moved, not how soon a loaded host ran the threads."""
+    clock = FakeClock()
+    progress = MainThreadProgress(clock=clock)
+    clock.advance(10.0)
+    progress.poke()
+    wait_for(lambda: progress.idle_for() == 0.0, what="the poke's call run by the main thread running Python")
+
+    read_end, write_end = os.pipe()
+    seen = {}
+
+    def while_blocked():
+        main = threading.main_thread().native_id
+        wait_for(lambda: _blocked_reading(main, read_end), what="the main thread blocked in read(2)")
+        clock.advance(5.0)
+        progress.poke()
+        seen["idle"] = progress.idle_for()
+        seen["clock"] = clock.now
+        os.write(write_end, b"x")
+
+    helper = threading.Thread(target=while_blocked)
+    helper.start()
+    try:
+        assert os.read(read_end, 1) == b"x"  # a C call: no bytecode, so no progress while it lasts
     finally:
-        stop.set()
-        thread.join()
+        helper.join()
+        os.close(read_end)
+        os.close(write_end)
+    assert seen["idle"] == 5.0, "progress advanced while the main thread was blocked"
+    wait_for(lambda: progress.last == seen["clock"], what="progress resumed once Python ran again")
 
 
 # ---- the hard-timeout monitor process -----------------------------------------------------

@@ -5,7 +5,6 @@ reach the core (nvrx_megatron passes them through); unset, the core behaves as b
 """
 
 import datetime
-import time
 import types
 
 import pytest
@@ -14,7 +13,9 @@ from nvrx_core.config import ConfigError
 from nvrx_core.inprocess import InProcessConfig
 from nvrx_core.inprocess import watchdogs as watchdogs_module
 from nvrx_core.inprocess.rank_assignment import node_of
+from nvrx_core.inprocess import wrapper as wrapper_module
 from nvrx_core.inprocess.wrapper import _Call
+from harness.clock import FakeClock
 
 
 def test_unset_periods_keep_the_core_defaults():
@@ -77,25 +78,45 @@ def test_watchdogs_run_at_the_configured_periods(monkeypatch):
     assert seen == {"process_interval": 0.7, "progress_interval": 0.05}
 
 
-def _last_call(wait, left_at):
-    """_restart reads the terminations for its plan right after this returns."""
+@pytest.fixture
+def sleeps(monkeypatch):
+    """The Wrapper's time on a FakeClock: the sleeps it asks for, recorded (and the clock moved
+    by them) instead of slept, so what is judged is how long it waits, not how long a loaded
+    host took to wake it."""
+    clock, asked = FakeClock(), []
+
+    def sleep(seconds):
+        asked.append(seconds)
+        clock.advance(seconds)
+
+    monkeypatch.setattr(wrapper_module, "time", types.SimpleNamespace(monotonic=clock, sleep=sleep))
+    return clock, asked
+
+
+def _last_call(wait, left_s_ago, sleeps):
+    """What _last_call slept, left `left_s_ago` s after leaving the iteration; _restart reads
+    the terminations for its plan right after it returns."""
+    clock, asked = sleeps
     call = types.SimpleNamespace(config=InProcessConfig(last_call_wait=wait))
-    started = time.monotonic()
-    _Call._last_call(call, left_at)
-    return time.monotonic() - started
+    _Call._last_call(call, clock.now - left_s_ago)
+    return sum(asked)
 
 
-def test_last_call_wait_zero_plans_at_once():
-    assert _last_call(0, time.monotonic()) < 0.05
+def test_last_call_wait_zero_plans_at_once(sleeps):
+    assert _last_call(0, 0.0, sleeps) == 0
 
 
-def test_last_call_wait_waits_before_the_plan_reads_the_terminations():
-    assert _last_call(0.3, time.monotonic()) >= 0.29
+def test_last_call_wait_waits_before_the_plan_reads_the_terminations(sleeps):
+    assert _last_call(0.3, 0.0, sleeps) == pytest.approx(0.3)
 
 
-def test_last_call_wait_counts_from_leaving_the_iteration():
+def test_last_call_wait_counts_from_leaving_the_iteration(sleeps):
     """Time already spent at the barrier counts: a restart is not delayed twice."""
-    assert _last_call(5.0, time.monotonic() - 10.0) < 1.0
+    assert _last_call(5.0, 3.5, sleeps) == pytest.approx(1.5)
+
+
+def test_last_call_wait_already_spent_at_the_barrier_waits_no_more(sleeps):
+    assert _last_call(5.0, 10.0, sleeps) == 0
 
 
 @pytest.mark.parametrize("env, rank, node", [

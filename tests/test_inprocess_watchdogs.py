@@ -42,11 +42,10 @@ def test_bounded_store_fails_fast_while_the_store_is_stopped_and_stays_in_step_a
         began = time.monotonic()
         with pytest.raises(StoreUnavailable, match="no answer within 0.5 s"):
             store.add("n", 1)  # a TCPStore client alone would wait for ever
-        assert time.monotonic() - began < 3
-        began = time.monotonic()
+        assert time.monotonic() - began < 3  # the 0.5 s timeout, not for ever (bounds a hang only)
         with pytest.raises(StoreUnavailable, match="has not answered add"):
-            store.check(["n"])  # no second request piles up behind the first
-        assert time.monotonic() - began < 0.5
+            store.check(["n"])  # refused at once: no second request piles up behind the first
+        assert store.stalls == 1  # (a request sent and timed out would be a second stall)
         os.kill(proc.pid, signal.SIGCONT)
 
         def answered():
