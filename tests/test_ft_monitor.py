@@ -2,14 +2,15 @@
 
 The monitor runs in a thread of the test process; `kill` is injected (as the monitor's
 send_signal) so a "hung" rank here is the test process itself and must not receive SIGKILL.
-Everything else is real: the socket, the JSON lines, the RankMonitorClient, the deadline clock.
+Everything else is real: the socket, the JSON lines, the RankMonitorClient. Whether a timeout
+fires, and what a client learns, is decided on FakeClocks the tests advance (the monitor's
+deadlines, the client's intervals), never by how fast a loaded host woke a thread.
 """
 
 import json
 import os
 import signal
 import socket
-import time
 
 import pytest
 
@@ -116,20 +117,31 @@ def test_section_timeout_and_clean_bye(monitor):
     client2.shutdown_workload_monitoring()
 
 
-@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=60, safety_factor=3, num_warmup_iterations=0)],
-                         indirect=True)
+def timed_client(monitor):
+    """A connected client whose intervals are read from a FakeClock of its own: what it learns
+    is decided by the intervals the test gives it, not by how long a loaded host slept."""
+    clock = FakeClock()
+    client = RankMonitorClient(socket_path=monitor.path, clock=clock)
+    assert client.init_workload_monitoring()
+    return client, clock
+
+
+@pytest.mark.parametrize("monitor", [dict(rank_heartbeat_timeout=60, safety_factor=3, num_warmup_iterations=0,
+                                          clock=True)], indirect=True)
 def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_path):
-    client = monitor.client()
-    for _ in range(4):
+    client, clock = timed_client(monitor)
+    client.send_heartbeat()
+    for interval in (0.5, 0.8, 0.7):
+        clock.advance(interval)
         client.send_heartbeat()
-        time.sleep(0.1)
     assert client.calculate_and_set_timeouts()  # single process: no collective needed
     learned = client.calculated.heartbeat
-    assert 0.25 < learned < 3.0
+    assert learned == pytest.approx(3 * 0.8)  # safety_factor x the longest interval between heartbeats
     wait_for(lambda: monitor.events("timeouts_updated"), what="timeouts pushed")
     assert monitor.events("timeouts_updated")[0]["timeouts"]["heartbeat"] == pytest.approx(learned)
     client.save_state(str(tmp_path))
     client.shutdown_workload_monitoring()
+    wait_for(lambda: monitor.watch(os.getpid()) is None, what="the bye seen")
 
     fresh = RankMonitorClient(socket_path=monitor.path)
     assert fresh.load_state(str(tmp_path))
@@ -137,7 +149,12 @@ def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_pa
     assert fresh.init_workload_monitoring()  # pushes the loaded timeouts on connect
     wait_for(lambda: len(monitor.events("timeouts_updated")) == 2, what="second push")
     fresh.send_heartbeat()
-    wait_for(lambda: monitor.signals, timeout=learned + 10, what="kill after learned timeout")
+    wait_for(lambda: getattr(monitor.watch(os.getpid()), "heartbeats", 0) == 1, what="the fresh client's heartbeat seen")
+    monitor.clock.advance(learned - 0.01)  # within the learned timeout (the launcher's is 60 s)
+    monitor.wait_polls()
+    assert monitor.signals == []
+    advance_until(monitor, lambda: monitor.signals, 0.05, "kill after the learned timeout")
+    assert monitor.clock.now - 1000.0 < 60  # the learned timeout fired, not the configured one
     fresh.shutdown_workload_monitoring()
 
 
@@ -146,12 +163,12 @@ def test_calculated_timeouts_reach_the_monitor_and_survive_state(monitor, tmp_pa
                                           num_warmup_iterations=0)], indirect=True)
 def test_excluded_timeouts_are_not_learned_and_keep_their_earlier_value(monitor):
     """A run that started from scratch must not learn how long a start takes."""
-    client = monitor.client()
+    client, clock = timed_client(monitor)
     with client.section("setup"):
-        time.sleep(0.05)
+        clock.advance(0.05)
     for _ in range(3):
         with client.section("step"):
-            time.sleep(0.05)
+            clock.advance(0.05)
         client.send_heartbeat()
     assert client.calculate_and_set_timeouts(exclude=("initial_heartbeat", "setup", "not-a-section"))
     learned = client.calculated
@@ -168,10 +185,10 @@ def test_excluded_timeouts_are_not_learned_and_keep_their_earlier_value(monitor)
                                           safety_factor=3, num_warmup_iterations=0)], indirect=True)
 def test_learning_never_switches_on_a_timeout_the_launcher_left_unenforced(monitor):
     """A rank that sends heartbeats too (a framework callback does) under section timeouts."""
-    client = monitor.client()
+    client, clock = timed_client(monitor)
     for _ in range(3):
         with client.section("step"):
-            time.sleep(0.05)
+            clock.advance(0.05)
         with client.section("checkpointing"):
             pass
         client.send_heartbeat()

@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from harness.clock import FakeClock
 from harness.node_monitor import NodeMonitorOnThread, Rank
 from nvrx_core.ft.client import RankMonitorClient
+from nvrx_core.ft import kills
 from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.protocol import decode, encode
 from nvrx_core.proc import ProcessHandle
@@ -50,16 +52,39 @@ def hung_rank_config(**overrides):
                        "rank_termination_signal": "SIGTERM", "termination_grace": 1.0, **overrides})
 
 
+def advance_until(monitor, clock, condition, what, step=0.1):
+    """Move the monitor's FakeClock by `step` until `condition()`, letting it poll in between."""
+    def moved():
+        if condition():
+            return True
+        clock.advance(step)
+        monitor.wait_polls(1)
+        return False
+    wait_for(moved, timeout=60, what=what)
+
+
 # ---- escalation ------------------------------------------------------------------------------
+# The monitor's deadlines run on a FakeClock: the clock moves until the termination signal is
+# sent, then stands still while the rank (a real process) reacts, however slowly a loaded host
+# runs it; only then does it move past the grace, so what is judged is whether the escalation
+# was cancelled, not whether the rank beat a real grace period.
 def test_escalation_is_cancelled_once_the_terminated_rank_has_exited(tmp_path, cleanup):
-    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(termination_grace=3.0))
+    clock = FakeClock()
+    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(), clock=clock)
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)
     rank.do("hb")  # then silence: hung
+    advance_until(monitor, clock, lambda: signal.SIGTERM in [s for _, s in monitor.signals], "termination signal")
     assert rank.proc.wait(timeout=30) == -signal.SIGTERM  # it exits on SIGTERM, its connection with it
-    wait_for(lambda: monitor.watch(rank.pid) is None and monitor.monitor._sched.next_time() is None,
-             what="the rank dropped and nothing left scheduled")
+    wait_for(lambda: monitor.watch(rank.pid) is None, what="the rank's disconnect seen")
+    # The monitor looks at a disconnected rank's pidfd again every EXIT_POLL of its clock (the
+    # socket closes a moment before the process counts as exited): move it by that, far short
+    # of the grace, until the kill's last step is cancelled.
+    advance_until(monitor, clock, lambda: monitor.monitor._sched.next_time() is None,
+                  "the rank dropped and nothing left scheduled", step=kills.EXIT_POLL)
+    clock.advance(10.0)  # far past the grace
+    monitor.wait_polls()
     delivered = [s for _, s in monitor.signals]
     assert delivered[:2] == [signal.SIGUSR2, signal.SIGTERM]
     assert signal.SIGKILL not in [s for _, s in monitor.attempts]  # cancelled, not merely sent to nobody
@@ -77,16 +102,18 @@ def test_a_rank_that_disconnects_but_keeps_running_is_still_escalated_through_it
 
 def test_without_pidfds_escalation_is_cancelled_at_disconnect(tmp_path, cleanup):
     """A bare pid proves nothing once its connection is gone: no SIGKILL may follow."""
-    # a long grace: under load the rank may take seconds to run its SIGTERM handler and disconnect
-    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(termination_grace=60.0),
-                            open_process=lambda pid: ProcessHandle(pid, None))
+    clock = FakeClock()
+    monitor = NodeMonitorOnThread(tmp_path, config=hung_rank_config(), clock=clock,
+                                  open_process=lambda pid: ProcessHandle(pid, None))
     cleanup(monitor)
     rank = Rank(monitor.path)
     cleanup(rank)
     rank.do("on-sigterm-disconnect", "hb")
-    wait_for(lambda: signal.SIGTERM in [s for _, s in monitor.signals], what="termination signal")
+    advance_until(monitor, clock, lambda: signal.SIGTERM in [s for _, s in monitor.signals], "termination signal")
     wait_for(lambda: monitor.watch(rank.pid) is None and monitor.monitor._sched.next_time() is None,
              what="disconnect seen, escalation cancelled")
+    clock.advance(10.0)  # far past the grace
+    monitor.wait_polls()
     assert rank.proc.poll() is None and signal.SIGKILL not in [s for _, s in monitor.signals]
 
 
@@ -102,18 +129,30 @@ def test_a_restarted_monitor_kills_an_adopted_rank_that_never_re_registers(tmp_p
     os.kill(stopped.pid, signal.SIGSTOP)  # frozen: its client cannot reconnect by itself
     wait_for(lambda: _stopped(stopped.pid), what="the SIGSTOPped rank's threads all stopped")
     first.close()
+    # The restarted monitor's deadlines run on a FakeClock: the live rank re-registers (its
+    # client reconnects from a thread, in real time) while the clock stands still, however
+    # long a loaded host takes; then the clock moves past the grace, and only the frozen rank
+    # is still unregistered.
+    clock = FakeClock()
     unenforced = FTConfig(rank_heartbeat_timeout=None, initial_rank_heartbeat_timeout=None)  # grace: the floor
     second = NodeMonitorOnThread(tmp_path, listener=first.listener, config=unenforced,
                            adopt={0: ProcessHandle.open(stopped.pid), 1: ProcessHandle.open(live.pid)},
-                           reregister_floor=5.0)
+                           reregister_floor=3.0, clock=clock)
     cleanup(second)
-    try:
-        assert stopped.proc.wait(timeout=60) == -signal.SIGKILL
-    except subprocess.TimeoutExpired:
-        raise AssertionError(
-            f"the adopted rank lives on: stopped={_stopped(stopped.pid)}, monitor thread alive="
-            f"{second.thread.is_alive()} error={second.error!r}, adopted={list(second.monitor._adopted)}, "
-            f"connected={second.watch(stopped.pid)}, signals={second.attempts}, events={second.events('fault_detected')}")
+    wait_for(lambda: second.watch(live.pid) is not None, timeout=60, what="the live rank re-registered on its own")
+    clock.advance(2.9)  # within the grace
+    second.wait_polls()
+    assert stopped.proc.poll() is None and not second.events("fault_detected")
+
+    def killed():
+        if stopped.proc.poll() is not None:
+            return True
+        clock.advance(0.2)  # past the grace, then through the kill's own waits (dump, termination)
+        second.wait_polls(1)
+        return False
+
+    wait_for(killed, timeout=60, what="the adopted rank that never re-registered killed")
+    assert stopped.proc.wait() == -signal.SIGKILL, second.attempts
     [detected] = second.events("fault_detected")
     assert detected["rank"] == 0 and detected["reason"] == "did not re-register with the restarted node monitor"
     assert second.watch(live.pid) is not None and live.proc.poll() is None  # re-registered on its own
