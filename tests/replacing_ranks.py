@@ -1,7 +1,8 @@
 """examples/respawn_ddp.py's ranks around a store this test holds, with a stand-in for
 ft_launcher's respawn: a rank killed by a signal is started again (same rank, the next
 NVRX_RANK_INCARNATION) at once, always. What the launcher decides is tested with the launcher
-(test_ft_respawn_agent.py, test_respawn.py); here it is the Wrapper's side alone."""
+(test_ft_respawn_agent.py, test_respawn.py); here it is the Wrapper's side alone. Each rank,
+first or replacement, is started by harness.ranks.start_rank; only the replacing is this file's."""
 
 import dataclasses
 import glob
@@ -11,15 +12,14 @@ import time
 from multiprocessing.connection import wait
 from typing import Dict, List, Tuple
 
-
-import warm_python
+from harness.ranks import kill_ranks, start_rank
 from harness.stores import host_store
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 WORLD = 4
 
 
-def _rank_main(rank: int, world: int, port: int, argv: List[str], incarnation: int, workdir: str) -> None:
+def _rank_main(rank: int, world: int, port: int, workdir: str, argv: List[str], incarnation: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
                       NVRX_RESTART_POLICY="respawn-rank", NVRX_RESPAWN_DIR=os.path.join(workdir, "announced"),
@@ -62,15 +62,12 @@ class Result:
 def run(workdir: str, *job_args: str, timeout: float = 120.0, max_respawns: int = 4) -> Result:
     os.makedirs(os.path.join(workdir, "announced"), exist_ok=True)
     argv = ["--workdir", workdir, *job_args]
-    ctx = warm_python.forkserver_context()
     store = host_store()
     incarnations = {rank: 0 for rank in range(WORLD)}
     running = {}
 
     def start(rank: int) -> None:
-        proc = ctx.Process(target=_rank_main, args=(rank, WORLD, store.port, argv, incarnations[rank], workdir))
-        proc.start()
-        running[rank] = proc
+        running[rank] = start_rank(_rank_main, rank, WORLD, store.port, workdir, (argv, incarnations[rank]))
 
     for rank in range(WORLD):
         start(rank)
@@ -90,7 +87,5 @@ def run(workdir: str, *job_args: str, timeout: float = 120.0, max_respawns: int 
                     start(rank)
         assert not running, f"ranks {sorted(running)} still running after {timeout} s; exits {exits}"
     finally:
-        for proc in running.values():
-            proc.kill()
-            proc.join(5)
+        kill_ranks(list(running.values()))
     return Result(workdir, exits, respawns)

@@ -19,11 +19,10 @@ import torch.distributed as dist
 
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
-import warm_python
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from inprocess_ddp import resume  # noqa: E402  (the example's own restore, tested here on 4 ranks)
-from harness.stores import host_store
+from harness.ranks import spawn_ranks
 
 WORLD = 4
 FAST = dict(soft_timeout=3.0, hard_timeout=6.0, heartbeat_interval=0.2, heartbeat_timeout=5.0, monitor_interval=0.1,
@@ -32,7 +31,7 @@ STEPS = 16
 
 
 # ---- what each rank runs ------------------------------------------------------------------
-def _rank_main(job, rank, world, port, params, outdir):
+def _rank_main(rank, world, port, outdir, job, params):
     os.environ.update(RANK=str(rank), NVRX_TEST_INITIAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
@@ -160,35 +159,16 @@ class Run:
 
 
 def launch(tmp_path, job, params, timeout=90.0, world=WORLD, store_port=None, during=None) -> Run:
-    """Run `job` (a name in JOBS, or a module-level function) on `world` ranks; kill what is left.
+    """Run `job` (a name in JOBS, or a module-level function) on `world` ranks (harness.ranks);
+    kill what is left after `timeout` s.
 
     store_port: a store hosted elsewhere (default: one hosted here, like ft_launcher's agent).
     during(procs): called once the ranks started, to act on them or on the store meanwhile.
     """
     outdir = str(tmp_path)
-    ctx = warm_python.forkserver_context()
-    store = None
-    if store_port is None:
-        store = host_store()
-        store_port = store.port
-    procs = [ctx.Process(target=_rank_main, args=(job, r, world, store_port, params, outdir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        if during is not None:
-            during(procs)
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-    finally:
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    run = Run(outdir, [p.exitcode for p in procs], world)
-    assert not hung, f"ranks {hung} still running after {timeout} s\n{run.explain()}"
-    return run
+    codes = spawn_ranks(_rank_main, world, outdir, (job, params), timeout, store_port=store_port, during=during,
+                        explain=lambda codes: Run(outdir, codes, world).explain())
+    return Run(outdir, codes, world)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ different injected DeviceIdentity when it resumes.
 """
 
 import json
-import os
-import socket
 from pathlib import Path
 from typing import List
 
@@ -17,41 +15,25 @@ import pytest
 from nvrx_core.rerun import read_rejected_results
 
 import warm_python
+from harness.ranks import TorchrunLikeRanks
 
 WORKER = Path(__file__).with_name("test_rerun_worker.py")
 
 pytestmark = pytest.mark.timeout(150)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(out: Path, tag: str, *args: str) -> List[dict]:
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [
-        warm_python.popen(
-            [str(WORKER), "--out", str(out), "--tag", tag, *args],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-            stdout=warm_python.DEVNULL, stderr=warm_python.PIPE, text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=120)[1] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    """Both ranks of the worker with torchrun's environment (harness.ranks.TorchrunLikeRanks),
+    their logs in out/logs-<tag>; each rank's result file, checked against its exit code."""
+    ranks = TorchrunLikeRanks(str(out / f"logs-{tag}"), [str(WORKER), "--out", str(out), "--tag", tag, *args],
+                              preload=warm_python.TORCH, world=2)
+    codes = ranks.finish(timeout=120)
     results = []
-    for rank, (proc, err) in enumerate(zip(procs, errors)):
+    for rank, code in enumerate(codes):
         result_file = out / f"result-{tag}-rank{rank}.json"
-        assert result_file.exists(), f"rank {rank} ({tag}) left no result, rc {proc.returncode}:\n{err[-3000:]}"
+        assert result_file.exists(), f"rank {rank} ({tag}) left no result, rc {code}:\n{ranks.logs()}"
         result = json.loads(result_file.read_text())
-        assert proc.returncode == result["exit_code"], err[-3000:]
+        assert code == result["exit_code"], ranks.logs()
         results.append(result)
     return results
 

@@ -2,42 +2,68 @@
 
 The one rank spawner of the tests: `spawn_ranks` runs `target(rank, world, store_port, out_dir,
 *args)` on `world` processes and returns their exit codes (none outlives the call);
-`run_spawned_ranks` also requires every one to exit 0. `TorchrunLikeRanks` starts a script's ranks
-with torchrun's environment instead. The store is harness.stores.host_store.
+`run_spawned_ranks` also requires every one to exit 0. `start_rank` starts one such process, for a
+test that starts ranks again itself (tests/replacing_ranks.py: a killed rank's replacement).
+`TorchrunLikeRanks` starts a script's ranks with torchrun's environment instead. The store is
+harness.stores.host_store.
 """
 
+import multiprocessing
 import os
 import subprocess
 import time
 from typing import Callable, List, Optional, Sequence
 
 import pytest
-import torch.distributed as dist
 
 import warm_python
 from harness.stores import host_store
 from harness.launcher import kill_tree
 
 
-def spawn_ranks(target: Callable, world: int, out_dir: str, args: Sequence = (), timeout: float = 120.0) -> List[int]:
-    """Every rank's exit code; the test fails if any is still running after `timeout` s (it is killed)."""
+def start_rank(target: Callable, rank: int, world: int, store_port: int, out_dir: str,
+               args: Sequence = ()) -> multiprocessing.Process:
+    """One rank: a process running `target(rank, world, store_port, out_dir, *args)`, forked from the
+    tests' fork server (torch imported once, warm_python.forkserver_context)."""
     ctx = warm_python.forkserver_context()
-    store = host_store(world)
-    procs = [ctx.Process(target=target, args=(r, world, store.port, str(out_dir), *args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    proc = ctx.Process(target=target, args=(rank, world, store_port, str(out_dir), *args))
+    proc.start()
+    return proc
+
+
+def spawn_ranks(target: Callable, world: int, out_dir: str, args: Sequence = (), timeout: float = 120.0, *,
+                store_port: Optional[int] = None, during: Optional[Callable[[list], None]] = None,
+                explain: Optional[Callable[[List[Optional[int]]], str]] = None) -> List[int]:
+    """Every rank's exit code; the test fails if any is still running after `timeout` s (it is killed).
+
+    store_port: a store held elsewhere (default: host_store, held here for the call, as ft_launcher's
+    agent holds it, so it outlives any rank). during(procs): called once every rank started, to act
+    on them meanwhile. explain(exit codes, the killed ranks' included): added to the failure."""
+    store = None
+    if store_port is None:
+        store = host_store(world)
+        store_port = store.port
+    procs = [start_rank(target, r, world, store_port, out_dir, args) for r in range(world)]
     deadline = time.monotonic() + timeout
     try:
+        if during is not None:
+            during(procs)
         for p in procs:
             p.join(max(deadline - time.monotonic(), 0.1))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        assert not hung, f"ranks {hung} still running after {timeout} s"
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [p.exitcode for p in procs]
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        kill_ranks(procs)
+    codes = [p.exitcode for p in procs]
+    assert not hung, f"ranks {hung} still running after {timeout} s" + (f"\n{explain(codes)}" if explain else "")
+    return codes
+
+
+def kill_ranks(procs: Sequence[multiprocessing.Process]) -> None:
+    """SIGKILL each rank still running and reap it."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 def run_spawned_ranks(target: Callable, world: int, out_dir: str, timeout: float = 120.0, args: Sequence = ()) -> None:
