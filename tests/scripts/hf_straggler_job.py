@@ -1,8 +1,11 @@
 """A Hugging Face Trainer job with NVRxStragglerDetection, for tests/test_hf_straggler.py.
 
 Run under a launcher as a 2-rank CPU job (gloo). The model's transformer body (inside the
-forward the callback times) sleeps --step-s per call, --slow-factor times longer on
---slow-rank: sleeps need no CPU, so a loaded test machine does not blur the ranks apart.
+forward the callback times) takes --step-s per call, --slow-factor times longer on
+--slow-rank, on recorded timings: the detector's clock and timer are a FakeClock
+(tests/harness) that the body advances by that much, so which rank is slow, and its score,
+are decided by the durations given, never by how late a loaded host woke a sleeping rank.
+The Trainer, the ranks and their collectives are real.
 
 Writes into --out: saved.rank<R>.json in on_save of a straggler stop's checkpoint (listed
 before the detection callback, so before the barrier no rank passes until every rank saved:
@@ -11,15 +14,21 @@ SystemExit, result.rank<R>.json. Checkpoints: --out/checkpoint-<step>.
 """
 
 import argparse
+import functools
 import os
-import time
+import sys
 
 import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_tiny import Tokens, rank_and_world, tiny_model, training_args
 from nvrx_core.durable import atomic_write_json
+from nvrx_core.straggler import Detector
 from nvrx_hf import NVRxStragglerDetection
+from nvrx_hf import straggler as hf_straggler
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the harness
+from harness.clock import FakeClock  # noqa: E402
 
 
 class SavedRecord(TrainerCallback):
@@ -49,7 +58,9 @@ def main():
     rank, _ = rank_and_world()
     model = tiny_model()
     pause = args.step_s * (args.slow_factor if rank == args.slow_rank else 1.0)
-    model.transformer.register_forward_pre_hook(lambda module, inputs: time.sleep(pause))
+    clock = FakeClock()  # the callback's Detector reads it (it has no clock argument of its own)
+    hf_straggler.Detector = functools.partial(Detector, clock=clock, timer=clock)
+    model.transformer.register_forward_pre_hook(lambda module, inputs: clock.advance(pause))
     detection = NVRxStragglerDetection(
         report_time_interval=args.report_time_interval, num_gpu_perf_scores_to_print=0,
         gpu_relative_perf_threshold=args.threshold, gpu_individual_perf_threshold=args.threshold,

@@ -2,16 +2,21 @@
 
 Run under a launcher (ft_launcher or torchrun: Lightning reads the torchelastic variables)
 as a CPU DDP job, or imported by the test for single-process runs. A step's forward
-(training_step, which the callback times) sleeps --step-s, --slow-factor times longer on
---slow-rank: sleeps need no CPU, so a loaded test machine does not blur the ranks apart.
+(training_step, which the callback times) takes --step-s, --slow-factor times longer on
+--slow-rank. Run as a job, on recorded timings: the detector's clock and timer are a
+FakeClock (tests/harness) that training_step advances by that much, so which rank is slow,
+and its score, are decided by the durations given, never by how late a loaded host woke a
+sleeping rank; the Trainer, DDP and the ranks are real. Imported, the forward sleeps.
 
 Writes into --out: metrics.rank<R>.jsonl (every logged metrics dict, from the recording
 logger) and, when fit ends or raises SystemExit, result.rank<R>.json.
 """
 
 import argparse
+import functools
 import json
 import os
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -19,6 +24,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from nvrx_core.durable import atomic_write_json
+from nvrx_core.straggler import Detector
+from nvrx_lightning import straggler as lightning_straggler
 from nvrx_lightning.straggler import NVRxStragglerDetection
 
 
@@ -31,17 +38,18 @@ class Indices(Dataset):
 
 
 class SleepyNet(pl.LightningModule):
-    """Tiny regression; the forward sleeps `step_s` (times `slow_factor` on `slow_rank`)."""
+    """Tiny regression; the forward spends `step_s` (times `slow_factor` on `slow_rank`):
+    `spend(seconds)` sleeps by default, or advances a recorded timeline's clock."""
 
-    def __init__(self, step_s=0.01, slow_rank=-1, slow_factor=1.0):
+    def __init__(self, step_s=0.01, slow_rank=-1, slow_factor=1.0, spend=time.sleep):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Linear(8, 1)
-        self.step_s, self.slow_rank, self.slow_factor = step_s, slow_rank, slow_factor
+        self.step_s, self.slow_rank, self.slow_factor, self.spend = step_s, slow_rank, slow_factor, spend
 
     def training_step(self, batch, batch_idx):
         slow = self.slow_factor if self.global_rank == self.slow_rank else 1.0
-        time.sleep(self.step_s * slow)
+        self.spend(self.step_s * slow)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(self.global_step))
         return self.net(x).pow(2).mean()
 
@@ -85,6 +93,9 @@ def make_trainer(out, world, max_steps, callbacks, rank=0):
 
 
 def main():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the harness
+    from harness.clock import FakeClock
+
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=2000)
@@ -102,8 +113,10 @@ def main():
         gpu_relative_perf_threshold=args.threshold, gpu_individual_perf_threshold=args.threshold,
         stop_if_detected=args.stop_if_detected, dirpath=os.path.join(args.out, "ckpt"),
     )
+    clock = FakeClock()  # the callback's Detector reads it (it has no clock argument of its own)
+    lightning_straggler.Detector = functools.partial(Detector, clock=clock, timer=clock)
     trainer = make_trainer(args.out, world, args.max_steps, [detection], rank)
-    model = SleepyNet(args.step_s, args.slow_rank, args.slow_factor)
+    model = SleepyNet(args.step_s, args.slow_rank, args.slow_factor, spend=clock.advance)
     result = {"rank": rank}
     try:
         trainer.fit(model)
