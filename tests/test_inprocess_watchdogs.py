@@ -14,15 +14,19 @@ import pytest
 import torch.distributed as dist
 
 import warm_python
-from nvrx_core.events import EVENTS_FILE_ENV, RANK_KILLED, read_events
+from nvrx_core.events import EVENTS_FILE_ENV, RANK_KILLED, EventLog, read_events
+from nvrx_core.inprocess import InProcessConfig
 from nvrx_core.inprocess.abort import AbortProcessGroups, IterationConnections
 from nvrx_core.inprocess.coordination import COMPLETED, RESTART, Coordinator, HeartbeatWatch
 from nvrx_core.inprocess.errors import RestartRequested
 from nvrx_core.inprocess.interruption import MainThreadInterrupter, MainThreadProgress
 from nvrx_core.inprocess.monitor_process import MonitorProcess, MonitorSettings, ProgressReporter
+from nvrx_core.inprocess.monitor_thread import MonitorThread
+from nvrx_core.inprocess.records import Cause
 from nvrx_core.proc import process_state
 from nvrx_core.inprocess.store import BoundedStore, StoreUnavailable
 from harness import stores, wait_for
+from harness.clock import FakeClock
 from harness.stores import host_store, stop
 
 
@@ -74,6 +78,32 @@ def test_heartbeat_silence_counts_only_while_the_watcher_could_read():
         now[0] += 0.5
         watch.update({1: str(beat).encode(), 2: b"9"})
     assert watch.stale(2.0) == [2]  # silent for 2.5 s of reading
+
+
+def test_the_soft_timeout_fires_past_soft_timeout_of_the_monitors_clock():
+    """The monitor thread decides on the clock it is given: a main thread idle for exactly
+    soft_timeout is not hung, a moment more is (interrupted, recorded in the store); outside
+    the wrapped function nothing fires."""
+    server = host_store()
+    coord = Coordinator(dist.TCPStore("127.0.0.1", server.port, is_master=False), "soft", 0)
+    clock, requests = FakeClock(), []
+    monitor = MonitorThread(coord, InProcessConfig(soft_timeout=2.0, hard_timeout=5.0, barrier_timeout=60.0),
+                            interrupter=types.SimpleNamespace(request=requests.append, armed=True),
+                            progress=MainThreadProgress(clock=clock),
+                            abort=types.SimpleNamespace(abort_communication=lambda: 0),
+                            events=EventLog(None, source="test"), clock=clock)
+    monitor.begin_iteration(0, [0], terminated_base=coord.terminated_count())
+    clock.advance(5.0)
+    monitor._check_soft_timeout(clock())  # not in the function (the Wrapper's own code): never
+    assert monitor.triggered is None
+    monitor.enter_function()  # counts as progress
+    clock.advance(2.0)
+    monitor._check_soft_timeout(clock())
+    assert monitor.triggered is None and requests == []
+    clock.advance(0.01)
+    monitor._check_soft_timeout(clock())
+    assert monitor.triggered == Cause.SOFT_TIMEOUT and "ran no Python for 2.0 s" in requests[0], requests
+    assert [r.cause for r in coord.records(0)] == [Cause.SOFT_TIMEOUT]
 
 
 def test_progress_reported_to_the_monitor_process():
