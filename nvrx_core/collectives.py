@@ -8,9 +8,12 @@ here it is decided once, from the process group's backend:
 - gloo (and any other backend) takes CPU tensors, and that path never calls torch.cuda,
   so a CPU-only run works where CUDA is absent or broken.
 
-With no process group (torch.distributed not initialised, or an explicit None) or a group
-of one rank, every collective is the identity and nothing is sent: code written for N ranks
-runs unchanged in a single process.
+A `group` argument means what it means to torch.distributed: None is the default (world)
+group. Without torch.distributed initialised, None is a world of one: every collective is the
+identity and nothing is sent, so code written for N ranks runs unchanged in a single process.
+A caller that wants this process alone while a process group exists says so with
+SINGLE_PROCESS (e.g. a checkpointer built before init_process_group keeps its background
+collectives off a group created later). A group of one rank also sends nothing.
 
 Payloads cross ranks as raw bytes or JSON, never as pickles: unpickling bytes another
 process produced would run whatever code that process asked for.
@@ -37,7 +40,7 @@ import json
 import logging
 import struct
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,9 +50,20 @@ from nvrx_core import teardown, torch_compat
 
 logger = logging.getLogger("nvrx.collectives")
 
-WORLD_IF_INITIALIZED = object()
-"""Default for a `group` argument: the world group when torch.distributed is initialised,
-else no group (a world of one). Pass None to force single-process behaviour."""
+
+class _SingleProcess:
+    """The type of SINGLE_PROCESS (one instance; pickles as the module's constant)."""
+
+    def __repr__(self) -> str:
+        return "nvrx_core.collectives.SINGLE_PROCESS"
+
+    def __reduce__(self) -> str:
+        return "SINGLE_PROCESS"
+
+
+SINGLE_PROCESS = _SingleProcess()
+"""A `group` argument meaning this process alone, whether or not a process group exists:
+rank 0 of a world of one, every collective the identity."""
 
 _HEADER = struct.Struct("<Q")  # payload length in front of each padded buffer
 
@@ -85,23 +99,37 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def resolve_group(group: Any = WORLD_IF_INITIALIZED) -> Optional[Any]:
-    """The group a collective runs on: WORLD_IF_INITIALIZED -> world group or None."""
-    if group is WORLD_IF_INITIALIZED:
-        return dist.group.WORLD if is_distributed() else None
+def resolve_group(group: Any = None) -> Any:
+    """The group a collective runs on, decided now: None is the world group when
+    torch.distributed is initialised, else SINGLE_PROCESS; any other value is itself. An
+    object that keeps a group for later calls resolves it once, when it is built, so what
+    it talks to does not change under it when a process group appears afterwards."""
+    if group is None:
+        return dist.group.WORLD if is_distributed() else SINGLE_PROCESS
     return group
+
+
+def group_rank_size(group: Any = None) -> Tuple[int, int]:
+    """(this process's rank in `group`, the group's size); (0, 1) for a world of one."""
+    group = resolve_group(group)
+    if group is SINGLE_PROCESS:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def is_nccl(group: Any) -> bool:
     """Whether NCCL carries collectives of `group`: a process group (None: the default one), or a
     backend name as init_process_group takes it ("nccl", "cpu:gloo,cuda:nccl", "gloo")."""
+    if group is SINGLE_PROCESS:
+        return False
     backend = group if isinstance(group, str) else dist.get_backend(group)
     return "nccl" in str(backend).lower()
 
 
-def group_device(group: Optional[Any]) -> torch.device:
+def group_device(group: Any = None) -> torch.device:
     """The device a collective on `group` takes tensors on (see the module docstring)."""
-    if group is None:
+    group = resolve_group(group)
+    if group is SINGLE_PROCESS:
         return torch.device("cpu")
     if is_nccl(group):
         return torch.device("cuda", torch.cuda.current_device())
@@ -109,14 +137,16 @@ def group_device(group: Optional[Any]) -> torch.device:
 
 
 class Collectives:
-    """Collectives over one process group (or none: a world of one).
+    """Collectives over one process group: None is the default group (a world of one without
+    torch.distributed), SINGLE_PROCESS this process alone. The group is resolved when the
+    object is built (resolve_group).
 
     `device` overrides the backend's choice (a caller who already holds tensors on a
     device the backend accepts)."""
 
-    def __init__(self, group: Any = WORLD_IF_INITIALIZED, device: Optional[torch.device] = None):
+    def __init__(self, group: Any = None, device: Optional[torch.device] = None):
         self.group = resolve_group(group)
-        if self.group is None:
+        if self.group is SINGLE_PROCESS:
             self.rank, self.world_size, self._root = 0, 1, 0
         else:
             self.rank = dist.get_rank(self.group)
@@ -225,7 +255,7 @@ class Collectives:
 
     def global_rank(self, group_rank: int) -> int:
         """The global rank of this group's rank `group_rank` (torch's src/dst arguments)."""
-        if self.group is None or self.group is dist.group.WORLD:
+        if self.group is SINGLE_PROCESS or self.group is dist.group.WORLD:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
@@ -264,17 +294,17 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def all_reduce_max(values: Sequence[Any], group: Any = WORLD_IF_INITIALIZED) -> List[Any]:
-    """Element-wise max of `values` over the ranks of `group`; a plain copy when
-    torch.distributed is not initialised or the group has one rank."""
+def all_reduce_max(values: Sequence[Any], group: Any = None) -> List[Any]:
+    """Element-wise max of `values` over the ranks of `group` (None: the default group); a
+    plain copy when torch.distributed is not initialised or the group has one rank."""
     return Collectives(group).all_reduce_max(values)
 
 
-def all_gather_json(obj: Any, group: Any = WORLD_IF_INITIALIZED) -> List[Any]:
+def all_gather_json(obj: Any, group: Any = None) -> List[Any]:
     """Every rank's JSON-serialisable `obj`, in rank order."""
     return Collectives(group).all_gather_json(obj)
 
 
-def broadcast_json(obj: Any, group: Any = WORLD_IF_INITIALIZED) -> Any:
+def broadcast_json(obj: Any, group: Any = None) -> Any:
     """Group rank 0's JSON-serialisable `obj` on every rank."""
     return Collectives(group).broadcast_json(obj)

@@ -22,7 +22,7 @@ import signal
 import threading
 from typing import Any, Callable, List, Mapping, Optional
 
-from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, resolve_group
+from nvrx_core.collectives import Collectives, resolve_group
 from nvrx_core.config import build, check, load_yaml_section
 from nvrx_core.events import PREEMPTION_AGREED, EventLog
 from nvrx_core.exit_codes import ExitCode, describe
@@ -118,10 +118,14 @@ class WorkerSignalPolicy:
 
 
 class DistributedSignalHandler:
-    """Records preemption signals on the main thread; agrees on them across ranks."""
+    """Records preemption signals on the main thread; agrees on them across ranks.
+
+    `process_group`: the ranks that agree (None: the default group, resolved when the handler
+    is built; a world of one without torch.distributed; collectives.SINGLE_PROCESS: this
+    process alone)."""
 
     def __init__(self, config: Optional[PreemptionConfig] = None, *,
-                 process_group: Any = WORLD_IF_INITIALIZED, events: Optional[EventLog] = None,
+                 process_group: Any = None, events: Optional[EventLog] = None,
                  signals: Optional[SignalRegistry] = None):
         self.config = config or PreemptionConfig()
         self._group = resolve_group(process_group)

@@ -223,7 +223,8 @@ def scenario_backend_lets_go_late(args: dict, rank: int, world: int) -> dict:
     Python objects are freed on the caller's thread, never on the backend's."""
     from torch.distributed import distributed_c10d
 
-    from nvrx_core.checkpoint import collectives, replication
+    from nvrx_core import collectives
+    from nvrx_core.checkpoint import replication
 
     hold_s = 0.5
     handed = []     # (weakref to a tensor given to the backend, the backend's reference: emptied as it lets go)

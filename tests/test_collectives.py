@@ -1,5 +1,8 @@
 """nvrx_core.collectives on real gloo process groups (3 spawned ranks), and alone.
 
+A group argument means what it means to torch.distributed: None is the default (world)
+group, a world of one without torch.distributed; SINGLE_PROCESS is this process alone.
+
 The ranks replace torch.cuda.current_device with a function that raises: a CPU (gloo)
 path that touched CUDA would fail the test, not just waste time.
 """
@@ -8,6 +11,7 @@ import datetime
 import gc
 import json
 import os
+import pickle
 import sys
 import threading
 import weakref
@@ -17,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from nvrx_core import collectives, torch_compat
-from nvrx_core.collectives import Collectives, group_device, is_distributed
+from nvrx_core.checkpoint.collectives import side_group
+from nvrx_core.collectives import SINGLE_PROCESS, Collectives, group_device, group_rank_size, is_distributed
 from harness.ranks import run_spawned_ranks
 
 BIG = 2 ** 62 + 1  # not representable as a float64: ints must travel as int64
@@ -57,6 +62,12 @@ def _exercise(rank, world):
     r["bcast_bytes"] = coll.broadcast_bytes(b"from zero" if rank == 0 else None).decode()
     r["bcast_json"] = coll.broadcast_json({"decision": [rank]} if rank == 0 else None)
     r["bcast_floats"] = coll.broadcast_floats([1.25, 2.5] if rank == 0 else None, 2)
+    r["none"] = {"world": Collectives(None).world_size, "rank_size": list(group_rank_size(None)),
+                 "max": collectives.all_reduce_max([rank], None)}
+    single = Collectives(SINGLE_PROCESS)
+    r["single"] = {"alone": single.alone, "rank": single.rank, "max": single.all_reduce_max([rank]),
+                   "json": single.all_gather_json(rank), "rank_size": list(group_rank_size(SINGLE_PROCESS)),
+                   "side_group": side_group(SINGLE_PROCESS) is SINGLE_PROCESS}
     try:
         coll.all_gather_bytes(b"too long for the bound", max_size=4)
     except ValueError as e:
@@ -64,7 +75,8 @@ def _exercise(rank, world):
     if rank in (1, 2):
         sub = Collectives(pair)
         r["sub"] = {"rank": sub.rank, "world": sub.world_size, "gather": sub.gather_json(rank),
-                    "bcast": sub.broadcast_json(f"from {rank}"), "max": sub.all_reduce_max([rank])}
+                    "bcast": sub.broadcast_json(f"from {rank}"), "max": sub.all_reduce_max([rank]),
+                    "rank_size": list(group_rank_size(pair))}
     if rank == 0:
         alone = Collectives(solo)
         r["solo"] = {"alone": alone.alone, "max": alone.all_reduce_max([7]), "gather": alone.gather_json("me")}
@@ -156,8 +168,13 @@ def test_collectives_on_three_gloo_ranks(tmp_path):
         assert r["bcast_json"] == {"decision": [0]}
         assert r["bcast_floats"] == [1.25, 2.5]
         assert "exceeds the agreed bound of 4" in r["over_bound"]
-    assert results[1]["sub"] == {"rank": 0, "world": 2, "gather": [1, 2], "bcast": "from 1", "max": [2]}
-    assert results[2]["sub"] == {"rank": 1, "world": 2, "gather": None, "bcast": "from 1", "max": [2]}
+        assert r["none"] == {"world": 3, "rank_size": [rank, 3], "max": [2]}    # None: the world group
+        assert r["single"] == {"alone": True, "rank": 0, "max": [rank], "json": [rank], "rank_size": [0, 1],
+                               "side_group": True}
+    assert results[1]["sub"] == {"rank": 0, "world": 2, "gather": [1, 2], "bcast": "from 1", "max": [2],
+                                 "rank_size": [0, 2]}
+    assert results[2]["sub"] == {"rank": 1, "world": 2, "gather": None, "bcast": "from 1", "max": [2],
+                                 "rank_size": [1, 2]}
     assert results[0]["solo"] == {"alone": True, "max": [7], "gather": ["me"]}
     for r in results:
         assert len(r["release"]) == 6
@@ -171,7 +188,10 @@ def test_without_torch_distributed_every_collective_is_local(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", _no_cuda)
     assert not is_distributed()
     coll = Collectives()
-    assert (coll.group, coll.rank, coll.world_size, coll.alone, coll.device.type) == (None, 0, 1, True, "cpu")
+    assert (coll.group, coll.rank, coll.world_size, coll.alone, coll.device.type) == (SINGLE_PROCESS, 0, 1, True, "cpu")
+    assert group_rank_size(None) == group_rank_size(SINGLE_PROCESS) == (0, 1)
+    assert side_group(None) is SINGLE_PROCESS and not collectives.is_nccl(SINGLE_PROCESS)
+    assert pickle.loads(pickle.dumps(SINGLE_PROCESS)) is SINGLE_PROCESS   # e.g. a spawned rank's argument
     values = [1.5, 2]
     copy = collectives.all_reduce_max(values)
     assert copy == values and copy is not values

@@ -22,7 +22,6 @@ before saving a checkpoint and leaving. The names and answers are Megatron's; un
 import signal
 from typing import Any, List, Optional, Union
 
-from nvrx_core.collectives import WORLD_IF_INITIALIZED
 from nvrx_core.config import ConfigError
 from nvrx_core.events import EventLog
 from nvrx_core.preemption import DistributedSignalHandler as CoreSignalHandler
@@ -58,7 +57,7 @@ class DistributedSignalHandler:
     """
 
     def __init__(self, sig: Union[signal.Signals, int, str] = signal.SIGTERM, *,
-                 process_group: Any = WORLD_IF_INITIALIZED, events: Optional[EventLog] = None,
+                 process_group: Any = None, events: Optional[EventLog] = None,
                  signals: Optional[SignalRegistry] = None):
         self.sig = _as_signal(sig)
         try:

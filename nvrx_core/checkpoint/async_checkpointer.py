@@ -32,8 +32,8 @@ import shutil
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
-from nvrx_core import durable
-from nvrx_core.checkpoint import collectives
+from nvrx_core import collectives, durable
+from nvrx_core.checkpoint.collectives import side_group
 from nvrx_core.checkpoint.config import CheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                          CheckpointNotFoundError, CheckpointSaveError,
@@ -59,7 +59,7 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, root_dir: str, config: Optional[CheckpointConfig] = None, *,
-                 process_group: Any = collectives.USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
+                 process_group: Any = None, events: Optional[EventLog] = None,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config or CheckpointConfig()
         self.store = CheckpointStore(root_dir)
@@ -72,7 +72,7 @@ class AsyncCheckpointer:
         self.run_id = collectives.all_reduce_max(
             [random.SystemRandom().getrandbits(63) if self.rank == 0 else 0], self._group)[0]
         # The background workers agree on their own group, never on the training one.
-        self._settle_group = collectives.side_group(self._group)
+        self._settle_group = side_group(self._group)
         if self.rank == 0:
             os.makedirs(self.store.root_dir, exist_ok=True)
             removed = self.store.remove_leftovers(self.run_id)

@@ -28,7 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from nvrx_core.checkpoint import collectives, replication
+from nvrx_core import collectives
+from nvrx_core.checkpoint import replication
+from nvrx_core.checkpoint.collectives import side_group
 from nvrx_core.checkpoint.async_checkpointer import CHECKPOINT_FAILED
 from nvrx_core.checkpoint.config import LocalCheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
@@ -59,7 +61,7 @@ class LocalCheckpointManager:
     """Per-rank checkpoints on node-local storage with optional peer replication."""
 
     def __init__(self, root_dir: Optional[str] = None, config: Optional[LocalCheckpointConfig] = None,
-                 *, process_group: Any = collectives.USE_DEFAULT_GROUP, events: Optional[EventLog] = None,
+                 *, process_group: Any = None, events: Optional[EventLog] = None,
                  clock: Callable[[], float] = time.monotonic):
         self.config = config or LocalCheckpointConfig()
         self.root_dir = os.path.abspath(root_dir or self.config.root_dir)
@@ -79,7 +81,7 @@ class LocalCheckpointManager:
             store.remove_leftovers(self._run_id)
 
     def _setup_replication(self) -> None:
-        if self._group is None:
+        if self._group is collectives.SINGLE_PROCESS:
             raise ConfigError("replication_factor>0 needs torch.distributed to be initialized")
         per_node = self.config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         if per_node <= 0:
@@ -91,7 +93,7 @@ class LocalCheckpointManager:
         self.sources = replication.replica_sources(self.rank, self.world_size, per_node,
                                                    self.config.replication_factor)
         # A group of its own: the background worker uses it while training uses the main one.
-        self._exchange_group = collectives.side_group(
+        self._exchange_group = side_group(
             self._group, datetime.timedelta(seconds=self.config.replication_timeout_s))
 
     def _replica_store(self, src: int) -> CheckpointStore:

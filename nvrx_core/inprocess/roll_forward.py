@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed.distributed_c10d as _c10d
 
-from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, wait_released
+from nvrx_core.collectives import Collectives, wait_released
 
 _TENSOR, _TUPLE, _DICT = "__tensor__", "__tuple__", "__dict__"
 
@@ -47,7 +47,7 @@ class TorchRNG:
 
 
 def roll_forward(state: Any, committed_step: Optional[int], stateful: Mapping[str, Any],
-                 group: Any = WORLD_IF_INITIALIZED) -> int:
+                 group: Any = None) -> int:
     """Bring every rank of `group` to the newest committed step; returns that step (0 if no
     rank has any). `state` is the RestartState (its `respawned` ranks count as holding
     nothing); `stateful` maps names to objects with state_dict()/load_state_dict(), or to

@@ -3,8 +3,9 @@
 Every rank must take the same branch (rerun or not, exit or not), so each decision is a
 MAX all-reduce of one integer: the highest-priority outcome any rank saw wins everywhere.
 The device and the wire format come from nvrx_core.collectives (CPU for gloo, the current
-CUDA device for NCCL; JSON, not pickles). Without an initialized process group the machine
-runs alone and nothing is sent.
+CUDA device for NCCL; JSON, not pickles), and so does the meaning of the group: None is the
+default group, and without an initialized process group the machine runs alone and nothing is
+sent.
 """
 
 import logging
@@ -12,12 +13,14 @@ from typing import Any, List, Optional, Union
 
 import torch
 
-from nvrx_core.collectives import WORLD_IF_INITIALIZED, Collectives, is_distributed
+from nvrx_core.collectives import Collectives, is_distributed
 
 logger = logging.getLogger("nvrx.rerun")
 
 
 class CollectiveVote:
+    """The machine's agreements over `process_group` (None: the default group)."""
+
     def __init__(self, process_group: Optional[Any] = None, device: Optional[torch.device] = None):
         self._group = process_group
         self._device = device
@@ -28,12 +31,12 @@ class CollectiveVote:
         return is_distributed()
 
     def _collectives(self) -> Collectives:
-        """Built once the process group exists (a machine may be built before init_process_group)."""
+        """Built once the process group exists (a machine may be built before init_process_group,
+        and the default group is the one found then); until then a world of one."""
         if not self.active:
             return Collectives(None, self._device)
         if self._coll is None:
-            group = self._group if self._group is not None else WORLD_IF_INITIALIZED
-            self._coll = Collectives(group, self._device)
+            self._coll = Collectives(self._group, self._device)
         return self._coll
 
     @property

@@ -26,9 +26,9 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from nvrx_core.collectives import Collectives
 from nvrx_core.events import EventLog
 from nvrx_core.straggler.actions import ReportActions
-from nvrx_core.straggler.collective import make_collectives
 from nvrx_core.straggler.config import StragglerConfig
 from nvrx_core.straggler.control import ControlFile
 from nvrx_core.straggler.decision import decide
@@ -77,7 +77,7 @@ class Detector:
         self._base = config if config is not None else StragglerConfig()
         self._config = self._base
         logger = logging.getLogger(self._base.logger_name)
-        self._coll = make_collectives(group)
+        self._coll = Collectives(group)
         self.rank = self._coll.rank
         self.world_size = self._coll.world_size
         self.node = self._base.node_name or socket.gethostname()
@@ -157,7 +157,7 @@ class Detector:
             return None
         config = self._config
         proposal = self._schedule.proposal(config.report_time_interval, config.schedule_checks_per_interval)
-        agreed = self._coll.max_floats(proposal + [self._payload_bound()])
+        agreed = self._coll.all_reduce_max([float(v) for v in proposal + [self._payload_bound()]])
         if not self._schedule.agree(agreed):
             return None
         return self._report(payload_size=int(agreed[-1]))
@@ -193,7 +193,7 @@ class Detector:
         if self.rank == 0:
             mine["settings"] = settings_of(self._config)
         to_all = not self._config.gather_on_rank0
-        payloads = self._coll.gather_json(mine, to_all, payload_size)
+        payloads = (self._coll.all_gather_json if to_all else self._coll.gather_json)(mine, payload_size)
         report = None
         if payloads is not None:
             self._apply_settings(payloads[0]["settings"])
