@@ -26,7 +26,7 @@ from nvrx_core.collectives import Collectives, resolve_group
 from nvrx_core.config import build, check, load_yaml_section
 from nvrx_core.events import PREEMPTION_AGREED, EventLog
 from nvrx_core.exit_codes import ExitCode, describe
-from nvrx_core.signals import SignalClaim, SignalRegistry, default_registry
+from nvrx_core.signals import SignalClaim, SignalRegistry, default_registry, parse_signal
 
 logger = logging.getLogger("nvrx.preemption")
 
@@ -38,28 +38,20 @@ _FLAG_BYTES = len(b"false")  # the longest JSON a signaled_ranks() flag takes
 
 
 def signal_names(signals: Any) -> Any:
-    """An adapter's `signals` argument (a name or number, or a list of them) as PreemptionConfig's
-    list of names; anything else is left for PreemptionConfig to refuse, naming it."""
+    """An adapter's `signals` argument (one signal, or a list of them) as PreemptionConfig's
+    list; PreemptionConfig reads each by the one rule (signals.parse_signal) and refuses,
+    naming it, anything else."""
     if isinstance(signals, (str, int)):
-        signals = [signals]
-    if not isinstance(signals, (list, tuple)):
-        return signals
-    return [_signal_name(s) for s in signals]
-
-
-def _signal_name(value: Any) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return signal.Signals(value).name
-        except ValueError:
-            return value
-    return value
+        return [signals]
+    return list(signals) if isinstance(signals, tuple) else signals
 
 
 @dataclasses.dataclass
 class PreemptionConfig:
     signals: List[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])
-    """Signals that mean "you are being preempted" (Slurm: SIGTERM, or SIGUSR1 with --signal)."""
+    """Signals that mean "you are being preempted" (Slurm: SIGTERM, or SIGUSR1 with --signal).
+    Each may be given as signals.parse_signal reads it ("SIGTERM", "TERM", 15, signal.SIGTERM);
+    the config keeps names ("SIGTERM")."""
 
     check_every_n_steps: int = 10
     """Ranks agree on a received signal every N steps (one int all_reduce)."""
@@ -77,10 +69,11 @@ class PreemptionConfig:
     def __post_init__(self) -> None:
         check(isinstance(self.signals, (list, tuple)) and len(self.signals) > 0, "signals",
               self.signals, "must be a non-empty list of signal names such as SIGTERM")
-        for name in self.signals:
-            check(isinstance(name, str) and isinstance(getattr(signal, name, None), signal.Signals),
-                  "signals", name, "is not a signal name known to this platform")
-            check(name not in _UNCATCHABLE, "signals", name, "cannot be caught")
+        names = []
+        for value in self.signals:
+            names.append(parse_signal(value, "signals").name)
+            check(names[-1] not in _UNCATCHABLE, "signals", value, "cannot be caught")
+        self.signals = names if isinstance(self.signals, list) else tuple(names)
         check(isinstance(self.check_every_n_steps, int) and self.check_every_n_steps >= 1,
               "check_every_n_steps", self.check_every_n_steps, "must be an integer >= 1")
         check(self.dataloader_workers in WORKER_POLICIES, "dataloader_workers",
@@ -96,7 +89,7 @@ class PreemptionConfig:
         return build(cls, *layers, dict(overrides), source=yaml_path or "preemption config")
 
     def signal_numbers(self) -> List[signal.Signals]:
-        return [getattr(signal, name) for name in self.signals]
+        return [parse_signal(name, "signals") for name in self.signals]
 
 
 @dataclasses.dataclass

@@ -29,6 +29,10 @@ part therefore claims its signals here, under an owner name:
 - A previous disposition set from C (not visible to Python) is restored as SIG_DFL when a
   Python handler is released; faulthandler restores its own predecessor exactly.
 
+A signal given by a user (a config field, an adapter's argument, an environment variable)
+is read by one rule, parse_signal: a signal.Signals, a number, or a name with or without
+"SIG" in any case; every config and adapter takes signals through it.
+
 Signal dispositions are per process, so this is the one legitimate per-process object:
 default_registry() returns the current process's registry, and a forked child (a warm
 start worker, a DataLoader worker) starts with an empty one, since the claims it inherited
@@ -45,7 +49,32 @@ import sys
 import threading
 from typing import IO, Any, Callable, Dict, List, Optional, Union
 
+from nvrx_core.config import ConfigError
+
 logger = logging.getLogger("nvrx.signals")
+
+
+def parse_signal(value: Any, what: str) -> signal.Signals:
+    """The signal a user named, by the one rule every config and adapter applies: a
+    signal.Signals; its number (an int, or digits as a command line or YAML gives them); its
+    name with or without the SIG prefix, in any case ("SIGTERM", "TERM", "sigterm").
+    Anything else raises ConfigError naming `what` (the field or argument) and the value, so
+    one spelling is never accepted in one place and refused in another. Whether the signal
+    suits the use (catchable, distinct from another field) is the caller's rule."""
+    if isinstance(value, signal.Signals):
+        return value
+    try:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return signal.Signals(value)
+        if isinstance(value, str) and value.strip():
+            text = value.strip().upper()
+            if text.isdigit():
+                return signal.Signals(int(text))
+            return signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+    except (KeyError, ValueError):
+        pass
+    raise ConfigError(f"{what}={value!r}: is not a signal name or number known to this platform "
+                      f"(e.g. SIGTERM, TERM, sigterm or {int(signal.SIGTERM)})")
 
 
 class SignalClaimError(RuntimeError):

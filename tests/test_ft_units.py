@@ -34,6 +34,7 @@ def test_config_layers_defaults_yaml_cli(tmp_path):
 def test_config_cli_spellings_and_round_trip():
     cfg = FTConfig(rank_section_timeouts="setup:600, step:180,checkpointing:None",
                    rank_termination_signal="9", log_level="debug", rank_out_of_section_timeout="null")
+    assert FTConfig(rank_termination_signal="TERM", stack_dump_signal="usr1").to_json()["rank_termination_signal"] == "SIGTERM"
     assert cfg.rank_section_timeouts == {"setup": 600.0, "step": 180.0, "checkpointing": None}
     assert cfg.rank_termination_signal == signal.SIGKILL
     assert cfg.rank_out_of_section_timeout is None
@@ -233,6 +234,8 @@ def test_stop_signals_raise_from_the_start_and_once_held_a_repeat_only_logs(capl
 
     assert stop_signal.handled_signals({}) == [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
     assert stop_signal.handled_signals({"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR1, SIGNOPE"}) == [signal.SIGUSR1]
+    assert stop_signal.handled_signals({"TORCHELASTIC_SIGNALS_TO_HANDLE": "TERM,usr2,SIGTERM,"}) == [signal.SIGTERM,
+                                                                                                  signal.SIGUSR2]
     before = signal.getsignal(signal.SIGUSR1)
     stops = stop_signal.StopSignals([signal.SIGUSR1])
     stops.arm()

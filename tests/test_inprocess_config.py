@@ -2,6 +2,7 @@
 
 import datetime
 import os
+import signal
 
 import pytest
 
@@ -26,13 +27,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"granularity": "gpu"}, "granularity='gpu': must be one of"),
     ({"monitor_log_dir": "relative/dir"}, "monitor_log_dir='relative/dir': must be None or an absolute path"),
     ({"interrupt_signal": "SIGKILL"}, "interrupt_signal='SIGKILL': cannot be caught"),
-    ({"interrupt_signal": "SIGNOPE"}, "must be a signal name"),
+    ({"interrupt_signal": "SIGNOPE"}, "interrupt_signal='SIGNOPE': is not a signal name"),
+    ({"termination_signal": "stop"}, "termination_signal='stop': does not end a process"),
     ({"interrupt_signal": "SIGTERM"}, "interrupt_signal='SIGTERM': must differ from termination_signal"),
     ({"enabled": "yes"}, "enabled='yes': must be true or false"),
 ])
 def test_bad_values_are_rejected_with_the_rule(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         InProcessConfig(**overrides)
+
+
+def test_signals_in_every_spelling_are_kept_as_names():
+    config = InProcessConfig(interrupt_signal="USR1", termination_signal="term", stack_dump_signal=12)  # were refused
+    assert (config.interrupt_signal, config.termination_signal, config.stack_dump_signal) == ("SIGUSR1", "SIGTERM", "SIGUSR2")
+    assert config.signal_number("stack_dump_signal") == signal.SIGUSR2
+    assert InProcessConfig(stack_dump_signal=None).signal_number("stack_dump_signal") is None
 
 
 def test_timedelta_values_become_seconds():

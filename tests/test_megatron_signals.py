@@ -15,6 +15,7 @@ import torch.distributed as dist
 from harness import wait_for
 from harness.ranks import run_spawned_ranks
 
+from nvrx_core.config import ConfigError
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.signals import SignalClaimError, SignalRegistry
 from nvrx_megatron.dist_signal_handler import DistributedSignalHandler
@@ -76,7 +77,7 @@ def test_sig_spellings_and_bad_values_are_named():
         DistributedSignalHandler("SIGNOPE")
     with pytest.raises(ValueError, match="sig=100000"):
         DistributedSignalHandler(100000)
-    with pytest.raises(TypeError, match="sig"):
+    with pytest.raises(ConfigError, match="sig=1.5"):
         DistributedSignalHandler(1.5)
 
 

@@ -161,6 +161,14 @@ def test_config_errors_name_field_value_and_rule(overrides, match):
         PreemptionConfig(**overrides)
 
 
+def test_config_takes_every_spelling_of_a_signal_and_keeps_names():
+    config = PreemptionConfig(signals=["TERM", "usr1", 12, signal.SIGHUP])   # "TERM" was refused
+    assert config.signals == ["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP"]
+    assert config.signal_numbers() == [signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP]
+    with pytest.raises(ConfigError, match="signals='kill': cannot be caught"):
+        PreemptionConfig(signals=["kill"])
+
+
 def test_config_from_yaml(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("trainer:\n  preemption:\n    signals: [SIGUSR1, SIGTERM]\n"

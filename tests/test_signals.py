@@ -13,7 +13,9 @@ import threading
 
 import pytest
 
-from nvrx_core.signals import FaultHandlerDump, SignalClaimError, SignalRegistry, default_registry
+from nvrx_core.config import ConfigError
+from nvrx_core.signals import (FaultHandlerDump, SignalClaimError, SignalRegistry, default_registry,
+                                parse_signal)
 
 
 def _deliver(signum):
@@ -193,3 +195,20 @@ def test_a_released_stack_dump_leaves_faulthandler_unregistered():
     claim.release()
     # unregistering again reports that nothing is registered for the signal any more
     assert faulthandler.unregister(signal.SIGUSR1) is False
+
+
+@pytest.mark.parametrize("value, expected", [
+    (signal.SIGTERM, signal.SIGTERM), (15, signal.SIGTERM), ("15", signal.SIGTERM), ("SIGTERM", signal.SIGTERM),
+    ("TERM", signal.SIGTERM), ("sigterm", signal.SIGTERM), ("term", signal.SIGTERM), (" SIGUSR1 ", signal.SIGUSR1),
+    ("KILL", signal.SIGKILL),           # whether a signal suits its use is the caller's rule
+    ("SIGNOPE", None), ("NOPE", None), (100000, None), (-1, None), ("-1", None), ("", None), ("SIG", None),
+    ("SIG_DFL", None), (True, None), (1.5, None), (None, None), (["SIGTERM"], None),
+])
+def test_parse_signal_is_the_one_rule(value, expected):
+    """Every config and adapter reads a signal by this rule; anything else is refused naming the
+    field and the value."""
+    if expected is not None:
+        assert parse_signal(value, "field") is expected
+    else:
+        with pytest.raises(ConfigError, match=r"^some\.field=.*: is not a signal name or number"):
+            parse_signal(value, "some.field")

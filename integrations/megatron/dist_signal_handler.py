@@ -26,25 +26,7 @@ from nvrx_core.config import ConfigError
 from nvrx_core.events import EventLog
 from nvrx_core.preemption import DistributedSignalHandler as CoreSignalHandler
 from nvrx_core.preemption import PreemptionConfig
-from nvrx_core.signals import SignalRegistry
-
-
-def _as_signal(sig: Any) -> signal.Signals:
-    """A signal.Signals from Megatron's argument (a Signals member), a number or a name."""
-    if isinstance(sig, signal.Signals):
-        return sig
-    if isinstance(sig, int) and not isinstance(sig, bool):
-        try:
-            return signal.Signals(sig)
-        except ValueError:
-            raise ValueError(f"sig={sig!r}: not a signal number on this platform") from None
-    if isinstance(sig, str):
-        name = sig.upper() if sig.upper().startswith("SIG") else "SIG" + sig.upper()
-        if isinstance(getattr(signal, name, None), signal.Signals):
-            return signal.Signals[name]
-        raise ValueError(f"sig={sig!r}: not a signal name on this platform")
-    raise TypeError(f"sig: expected a signal.Signals, a signal number or a name such as 'SIGTERM', "
-                    f"got {type(sig).__name__}")
+from nvrx_core.signals import SignalRegistry, parse_signal
 
 
 class DistributedSignalHandler:
@@ -59,7 +41,7 @@ class DistributedSignalHandler:
     def __init__(self, sig: Union[signal.Signals, int, str] = signal.SIGTERM, *,
                  process_group: Any = None, events: Optional[EventLog] = None,
                  signals: Optional[SignalRegistry] = None):
-        self.sig = _as_signal(sig)
+        self.sig = parse_signal(sig, "sig")  # Megatron's Signals member, or a number or a name
         try:
             self._config = PreemptionConfig(signals=[self.sig.name])
         except ConfigError as e:  # e.g. SIGKILL: reworded with this class's argument name

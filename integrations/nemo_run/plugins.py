@@ -158,7 +158,7 @@ class PreemptionPlugin(Plugin):
 
     @property
     def signal_name(self) -> str:
-        from nvrx_core.ft.config import parse_signal
+        from nvrx_core.signals import parse_signal
 
         return parse_signal(self.sig, f"{type(self).__name__}.sig").name
 

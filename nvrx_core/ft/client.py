@@ -34,7 +34,7 @@ from nvrx_core.ft.nvrx_names import (NVRX_STATE_KEY, MonitorUnreachable, NVRxCli
 from nvrx_core.ft.protocol import encode
 from nvrx_core.ft.timeouts import IntervalObserver, Timeouts, scale
 from nvrx_core.ft.uncaught import UncaughtExceptionRecorder
-from nvrx_core.signals import FaultHandlerDump, SignalClaim, default_registry
+from nvrx_core.signals import FaultHandlerDump, SignalClaim, default_registry, parse_signal
 
 STACK_DUMP_OWNER = "ft.client"
 logger = logging.getLogger("nvrx.ft.client")
@@ -130,7 +130,7 @@ class RankMonitorClient(NVRxClientNames):
         self._observer = IntervalObserver(int(cfg["num_warmup_iterations"]))
         self._registered_at = self._clock()
         self._observer.on_start(self._registered_at)
-        self._dump_signal = signal.Signals[cfg["stack_dump_signal"]]
+        self._dump_signal = parse_signal(cfg["stack_dump_signal"], "stack_dump_signal")
         self._register_stack_dump(reply.get("stack_file"))
         self._link = MonitorLink(self._path, sock, self._lock, init, self._state_message, self._reregistered,
                                  answers={"dump_collectives": collectives_message})

@@ -17,6 +17,7 @@ from typing import Any, Dict, Mapping, Optional, Union
 
 from nvrx_core.config import ConfigError, build, check, load_yaml_section
 from nvrx_core.durable import atomic_write_bytes
+from nvrx_core.signals import parse_signal
 
 logger = logging.getLogger("nvrx.ft")
 
@@ -37,19 +38,6 @@ PEER_ONLY_FIELDS = frozenset(
 )
 # Fields nvidia-resiliency-ext 0.5 reads from its config that are launcher flags here.
 LAUNCHER_FLAG_FIELDS = {"use_infra_group_rank": "--ft-use-infra-group-rank"}
-
-
-def parse_signal(value: Union[str, int, signal.Signals], field: str) -> signal.Signals:
-    """'SIGKILL', 'KILL', 'sigkill', 9 and signal.SIGKILL all name the same signal."""
-    if isinstance(value, signal.Signals):
-        return value
-    try:
-        if isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit()):
-            return signal.Signals(int(value))
-        name = str(value).strip().upper()
-        return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-    except (KeyError, ValueError):
-        raise ConfigError(f"{field}={value!r}: not a signal name or number") from None
 
 
 def parse_timeout(value: Any, field: str) -> Optional[float]:

@@ -22,8 +22,9 @@ from typing import Dict, List, Optional
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from nvrx_core.config import ConfigError
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.signals import SignalClaim, default_registry
+from nvrx_core.signals import SignalClaim, default_registry, parse_signal
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
@@ -34,10 +35,20 @@ OWNER = "ft_launcher (stop signals)"
 
 
 def handled_signals(environ=os.environ) -> List[signal.Signals]:
-    """The signals torch's agent turns into a stop (SignalException) in this launcher."""
+    """The signals torch's agent turns into a stop (SignalException) in this launcher, each read
+    by the suite's one rule (signals.parse_signal). A name that is no signal is skipped with a
+    warning, as torch's agent skips it."""
     names = environ.get(SIGNALS_TO_HANDLE_ENV) or TORCH_DEFAULT_SIGNALS
-    found = [getattr(signal, name.strip(), None) for name in names.split(",")]
-    return [s for s in found if isinstance(s, signal.Signals)]
+    found: List[signal.Signals] = []
+    for name in filter(str.strip, names.split(",")):
+        try:
+            sig = parse_signal(name, SIGNALS_TO_HANDLE_ENV)
+        except ConfigError as e:
+            logger.warning("%s; not handled", e)
+            continue
+        if sig not in found:
+            found.append(sig)
+    return found
 
 
 def preempted(exit_codes: Dict[int, Optional[int]]) -> bool:

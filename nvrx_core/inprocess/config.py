@@ -10,10 +10,10 @@ datetime.timedelta is accepted too.
 import dataclasses
 import datetime
 import os
-import signal
 from typing import Any, Mapping, Optional
 
 from nvrx_core.config import ConfigError, build, check, load_yaml_section
+from nvrx_core.signals import parse_signal
 
 GRANULARITIES = ("rank", "node")
 YAML_SECTION = "inprocess"
@@ -126,12 +126,12 @@ class InProcessConfig:
         check(self.granularity in GRANULARITIES, "granularity", self.granularity, f"must be one of {GRANULARITIES}")
         check(self.monitor_log_dir is None or isinstance(self.monitor_log_dir, str) and os.path.isabs(self.monitor_log_dir),
               "monitor_log_dir", self.monitor_log_dir, "must be None or an absolute path")
-        _check_signal("interrupt_signal", self.interrupt_signal, must_be_catchable=True)
-        _check_signal("termination_signal", self.termination_signal, must_be_catchable=False)
+        self.interrupt_signal = _signal_name("interrupt_signal", self.interrupt_signal, must_be_catchable=True)
+        self.termination_signal = _signal_name("termination_signal", self.termination_signal, must_be_catchable=False)
         check(self.interrupt_signal != self.termination_signal, "interrupt_signal", self.interrupt_signal,
               "must differ from termination_signal")
         if self.stack_dump_signal is not None:
-            _check_signal("stack_dump_signal", self.stack_dump_signal, must_be_catchable=True)
+            self.stack_dump_signal = _signal_name("stack_dump_signal", self.stack_dump_signal, must_be_catchable=True)
             check(self.stack_dump_signal not in (self.interrupt_signal, self.termination_signal), "stack_dump_signal",
                   self.stack_dump_signal, "must differ from interrupt_signal and termination_signal")
         for name in ("empty_cuda_cache", "enabled"):
@@ -172,18 +172,20 @@ class InProcessConfig:
 
     def signal_number(self, name: str) -> Optional[int]:
         value = getattr(self, name)
-        return None if value is None else int(getattr(signal, value))
+        return None if value is None else int(parse_signal(value, name))
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_signal(field: str, name, must_be_catchable: bool) -> None:
-    valid = isinstance(name, str) and name.startswith("SIG") and isinstance(getattr(signal, name, None), signal.Signals)
-    check(valid, field, name, "must be a signal name such as SIGUSR1")
-    check(name != "SIGSTOP", field, name, "does not end a process")
-    check(not must_be_catchable or name != "SIGKILL", field, name, "cannot be caught; choose another signal")
+def _signal_name(field: str, value, must_be_catchable: bool) -> str:
+    """`value` read by the one signal rule (signals.parse_signal: "SIGUSR1", "USR1", "usr1", 10 or
+    signal.SIGUSR1), kept as its name ("SIGUSR1"), as this config always stored it."""
+    name = parse_signal(value, field).name
+    check(name != "SIGSTOP", field, value, "does not end a process")
+    check(not must_be_catchable or name != "SIGKILL", field, value, "cannot be caught; choose another signal")
+    return name
 
 
 __all__ = ["ConfigError", "InProcessConfig"]
