@@ -9,15 +9,15 @@
 See docs/checkpoint.md.
 """
 
-from nvrx_core.checkpoint.async_checkpointer import (CHECKPOINT_ABORTED, CHECKPOINT_FAILED,
-                                                     CHECKPOINT_SKIPPED, AsyncCheckpointer)
+from nvrx_core.checkpoint.async_checkpointer import AsyncCheckpointer
 from nvrx_core.checkpoint.config import CheckpointConfig, LocalCheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
                                          CheckpointNotFoundError, CheckpointSaveError,
                                          SnapshotModifiedError)
 from nvrx_core.checkpoint.layout import CheckpointStore, read_manifest, verify_checkpoint
-from nvrx_core.checkpoint.local import (CHECKPOINT_LOADED, GLOBAL, LOCAL, REPLICA,
-                                        LoadedCheckpoint, LocalCheckpointManager)
+from nvrx_core.checkpoint.local import GLOBAL, LOCAL, REPLICA, LoadedCheckpoint, LocalCheckpointManager
+from nvrx_core.events import (CHECKPOINT_ABORTED, CHECKPOINT_FAILED, CHECKPOINT_LOADED,
+                              CHECKPOINT_SKIPPED)
 
 __all__ = [
     "AsyncCheckpointer", "CheckpointConfig", "LocalCheckpointConfig",
