@@ -33,22 +33,19 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from nvrx_core import collectives, durable
+from nvrx_core.checkpoint.agreed_load import load_everywhere
 from nvrx_core.checkpoint.collectives import side_group
 from nvrx_core.checkpoint.config import CheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
-                                         CheckpointNotFoundError, CheckpointSaveError,
-                                         SnapshotModifiedError)
+                                         CheckpointNotFoundError, CheckpointSaveError)
 from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, fragment_name,
                                          partial_dir_name, read_manifest, write_manifest)
-from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline, remove_rank_files
+from nvrx_core.checkpoint.pipeline import PendingSave
+from nvrx_core.checkpoint.pipelined import PipelinedSaves
 from nvrx_core.checkpoint.shards import SaveAborted, read_shard, shard_files
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
 
 logger = logging.getLogger("nvrx.checkpoint")
-
-CHECKPOINT_FAILED = "checkpoint_failed"
-CHECKPOINT_ABORTED = "checkpoint_aborted"
-CHECKPOINT_SKIPPED = "checkpoint_skipped"
 
 
 class AsyncCheckpointer:
@@ -66,7 +63,9 @@ class AsyncCheckpointer:
         self._group = collectives.resolve_group(process_group)
         self.rank, self.world_size = collectives.group_rank_size(self._group)
         self._events = events if events is not None else EventLog.from_env("checkpoint")
-        self._pipeline = SavePipeline(self.config, self.rank, clock)
+        self._saves = PipelinedSaves(self.config, self.rank, settle=self._settle,
+                                     events=self._events, clock=clock,
+                                     shared_directories=self.world_size > 1)
         # One id per incarnation of the job, agreed by all ranks, names this run's partial
         # directories so a crashed run's leftovers can never be mixed into this run's saves.
         self.run_id = collectives.all_reduce_max(
@@ -82,12 +81,12 @@ class AsyncCheckpointer:
     @property
     def pending_steps(self) -> List[int]:
         """Steps saved but not yet reported by finalize(), oldest first."""
-        return [p.step for p in sorted(self._pipeline.pending.values(), key=lambda p: p.generation)]
+        return self._saves.pending_targets
 
     @property
     def stale_completions(self) -> int:
         """Completions dropped because their generation was no longer pending."""
-        return self._pipeline.stale_completions
+        return self._saves.pipeline.stale_completions
 
     def save(self, state_dict: Any, step: int) -> int:
         """Snapshot `state_dict` to host memory and write it in the background.
@@ -97,12 +96,9 @@ class AsyncCheckpointer:
         staging="overlapped" the copy is still running when this returns: no saved tensor
         may be modified in place until wait_staged() has returned.
         """
-        over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
-        self._finalize(block_first=max(0, over))
-        pending = self._pipeline.start(
+        pending = self._saves.start(
             state_dict, step,
-            lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self.run_id, gen)),
-            self._settle)
+            lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self.run_id, gen)))
         logger.debug("save of step %d staged %d bytes in %.3f s", step, pending.staged_bytes,
                      pending.blocking_seconds)
         return pending.generation
@@ -117,7 +113,7 @@ class AsyncCheckpointer:
         copy was confirmed: that save is dropped on every rank (never committed), always,
         whatever fail_on_save_error says - it is a bug in the loop, not a storage fault.
         """
-        self._pipeline.confirm_staged(block=True)
+        self._saves.wait_staged()
 
     def finalize(self, blocking: bool = False) -> List[int]:
         """Steps committed since the last call, oldest first; no communication.
@@ -128,7 +124,7 @@ class AsyncCheckpointer:
         overlapped staging it also confirms the copies that have finished (as wait_staged
         does, without waiting) and a save is committed only once its copy is confirmed.
         """
-        return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
+        return self._saves.finalize(blocking)
 
     def abort(self, timeout: Optional[float] = None) -> List[int]:
         """Stop every save in flight and delete its partial output; returns their steps.
@@ -136,31 +132,19 @@ class AsyncCheckpointer:
         Call it on every rank. A save that all ranks had already agreed to commit may
         still be committed (it is complete); committed checkpoints are never touched.
         """
-        aborted = []
-        for pending in self._pipeline.abort_all(timeout):
-            if pending.result is not None and pending.result.ok:
-                continue   # it made it: committed before the cancellation was seen
-            self._discard(pending)
-            aborted.append(pending.step)
-            self._events.emit(CHECKPOINT_ABORTED, step=pending.step, generation=pending.generation)
-        return aborted
+        return self._saves.abort(timeout)
 
     def close(self) -> None:
-        """Wait for the saves in flight, then stop the background threads."""
-        try:
-            self.finalize(blocking=True)
-        finally:
-            self._pipeline.close()
+        """Wait for the saves in flight, then stop the background threads (again: nothing)."""
+        self._saves.close()
 
     def __enter__(self) -> "AsyncCheckpointer":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self.abort()
-            self._pipeline.close()
-        else:
-            self.close()
+            self.abort()   # nothing is left in flight for close() to wait for or raise
+        self.close()
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -190,51 +174,13 @@ class AsyncCheckpointer:
         """
         steps = collectives.all_gather_json(self.store.steps(), self._group)[0]
         for step in reversed(steps):
-            state, corrupt, fatal = None, None, None
-            try:
-                state = self.load(step, weights_only=weights_only)
-            except CheckpointCorruptError as e:
-                corrupt = e
-            except CheckpointError as e:
-                fatal = e
-            any_bad, any_fatal = collectives.all_reduce_max(
-                [int(state is None), int(fatal is not None)], self._group)
-            if any_fatal:
-                raise fatal or CheckpointError(f"another rank cannot load step {step}; see its log")
-            if not any_bad:
-                return step, state
-            reason = str(corrupt) if corrupt else "corrupt on another rank"
-            logger.warning("skipping checkpoint step %d: %s", step, reason)
-            self._events.emit(CHECKPOINT_SKIPPED, step=step, reason=reason)
+            attempt = load_everywhere(lambda: self.load(step, weights_only=weights_only),
+                                      self._group, f"step {step}")
+            if attempt.everywhere:
+                return step, attempt.state
+            reason = str(attempt.corrupt) if attempt.corrupt else "corrupt on another rank"
+            self._saves.skipped(step, reason)
         raise CheckpointNotFoundError(f"no loadable checkpoint under {self.store.root_dir}")
-
-    # ---- completion (training thread) -------------------------------------------------------
-
-    def _finalize(self, block_first: int) -> List[int]:
-        committed: List[int] = []
-        for pending in self._pipeline.take_finished(block_first):
-            if pending.result.ok:
-                committed.append(pending.step)
-            else:
-                self._report_failure(pending)
-        return committed
-
-    def _report_failure(self, pending: PendingSave) -> None:
-        error = pending.result.error
-        message = f"checkpoint save of step {pending.step} failed: {error}"
-        self._events.emit(CHECKPOINT_FAILED, step=pending.step, generation=pending.generation,
-                          error=repr(error))
-        if isinstance(error, SnapshotModifiedError):
-            return   # raised in the training thread already, when the confirmation found it
-        if self.config.fail_on_save_error:
-            raise CheckpointSaveError(message) from error
-        logger.error("%s (fail_on_save_error=False: training continues; the previous "
-                     "checkpoint stays the latest)", message)
-
-    def _discard(self, pending: PendingSave) -> None:
-        remove_rank_files(pending.directory, self.rank)
-        if self.world_size == 1:
-            shutil.rmtree(pending.directory, ignore_errors=True)
 
     # ---- settling (background worker) ----------------------------------------------------
 

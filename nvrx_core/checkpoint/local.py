@@ -30,23 +30,23 @@ import torch.distributed as dist
 
 from nvrx_core import collectives
 from nvrx_core.checkpoint import replication
+from nvrx_core.checkpoint.agreed_load import load_everywhere
 from nvrx_core.checkpoint.collectives import side_group
-from nvrx_core.checkpoint.async_checkpointer import CHECKPOINT_FAILED
 from nvrx_core.checkpoint.config import LocalCheckpointConfig
 from nvrx_core.checkpoint.errors import (CheckpointCorruptError, CheckpointError,
-                                         CheckpointNotFoundError, CheckpointSaveError)
+                                         CheckpointNotFoundError)
 from nvrx_core.checkpoint.layout import (CheckpointStore, FileEntry, Manifest, check_sizes,
                                          partial_dir_name, rank_prefix, read_manifest,
                                          write_manifest)
-from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline
+from nvrx_core.checkpoint.pipeline import PendingSave
+from nvrx_core.checkpoint.pipelined import PipelinedSaves
 from nvrx_core.checkpoint.shards import SaveAborted, read_shard
 from nvrx_core.config import ConfigError
-from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
+from nvrx_core.events import CHECKPOINT_COMMITTED, CHECKPOINT_LOADED, EventLog
 
 logger = logging.getLogger("nvrx.checkpoint")
 
 LOCAL, REPLICA, GLOBAL = "local", "replica", "global"
-CHECKPOINT_LOADED = "checkpoint_loaded"
 
 
 @dataclasses.dataclass
@@ -75,7 +75,9 @@ class LocalCheckpointManager:
         self._exchange_group: Optional[dist.ProcessGroup] = None
         if self.config.replication_factor:
             self._setup_replication()
-        self._pipeline = SavePipeline(self._writer_config, self.rank, clock)
+        self._saves = PipelinedSaves(self._writer_config, self.rank, settle=self._settle,
+                                     events=self._events, clock=clock,
+                                     noun="local checkpoint", event_fields={"tier": LOCAL})
         self._run_id = random.SystemRandom().getrandbits(63)
         for store in [self.store] + [self._replica_store(s) for s in self.sources]:
             store.remove_leftovers(self._run_id)
@@ -103,45 +105,22 @@ class LocalCheckpointManager:
 
     def save(self, state_dict: Any, step: int) -> int:
         """Stage `state_dict`; this rank's shard (and replicas) are written in the background."""
-        over = len(self._pipeline.pending) - self._writer_config.max_pending_saves + 1
-        self._finalize(block_first=max(0, over))
-        pending = self._pipeline.start(
+        pending = self._saves.start(
             state_dict, step,
-            lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self._run_id, gen)),
-            self._settle)
+            lambda gen: os.path.join(self.store.root_dir, partial_dir_name(step, self._run_id, gen)))
         return pending.generation
 
     def finalize(self, blocking: bool = False) -> List[int]:
         """Steps this rank committed locally since the last call; raises failed saves."""
-        return self._finalize(block_first=len(self._pipeline.pending) if blocking else 0)
+        return self._saves.finalize(blocking)
 
     def abort(self, timeout: Optional[float] = None) -> List[int]:
-        aborted = []
-        for pending in self._pipeline.abort_all(timeout):
-            if pending.result is None or not pending.result.ok:
-                shutil.rmtree(pending.directory, ignore_errors=True)
-                aborted.append(pending.step)
-        return aborted
+        """Stop this rank's saves in flight and delete their partial output; their steps."""
+        return self._saves.abort(timeout)
 
     def close(self) -> None:
-        try:
-            self.finalize(blocking=True)
-        finally:
-            self._pipeline.close()
-
-    def _finalize(self, block_first: int) -> List[int]:
-        committed = []
-        for pending in self._pipeline.take_finished(block_first):
-            if pending.result.ok:
-                committed.append(pending.step)
-                continue
-            error = pending.result.error
-            self._events.emit(CHECKPOINT_FAILED, step=pending.step, tier=LOCAL, error=repr(error))
-            message = f"local checkpoint save of step {pending.step} failed: {error!r}"
-            if self._writer_config.fail_on_save_error:
-                raise CheckpointSaveError(message) from error
-            logger.error(message)
-        return committed
+        """Wait for the saves in flight, then stop the background threads (again: nothing)."""
+        self._saves.close()
 
     def _settle(self, pending: PendingSave, entries: Optional[List[FileEntry]],
                 error: Optional[BaseException]) -> None:
@@ -228,7 +207,7 @@ class LocalCheckpointManager:
         the same step, then of an older step. `fallback` (e.g. AsyncCheckpointer.load_latest)
         is used when no step is complete across ranks; without it, CheckpointNotFoundError.
         """
-        if self._pipeline.pending:
+        if self._saves.pipeline.pending:
             raise CheckpointError("load() while saves are in flight: call finalize(blocking=True)")
         bad: List[List[int]] = []
         while True:
@@ -236,23 +215,16 @@ class LocalCheckpointManager:
             step, plan = replication.plan_restore(inventories, _bad_copies(inventories))
             if step is None:
                 break
-            state, fatal = None, None
-            try:
-                self._restore_from_replicas(step, plan)
-                state = self._read_own(step, weights_only)
-            except CheckpointCorruptError as e:
-                logger.warning("local checkpoint step %d unusable on rank %d: %s", step, self.rank, e)
+            attempt = load_everywhere(lambda: self._restore_and_read(step, plan, weights_only),
+                                      self._group, f"local step {step}")
+            if attempt.corrupt is not None:
+                logger.warning("local checkpoint step %d unusable on rank %d: %s", step, self.rank,
+                               attempt.corrupt)
                 bad.append([plan[self.rank], self.rank, step])
-            except CheckpointError as e:
-                fatal = e
-            any_missing, any_fatal = collectives.all_reduce_max(
-                [int(state is None), int(fatal is not None)], self._group)
-            if any_fatal:
-                raise fatal or CheckpointError(f"another rank cannot load local step {step}")
-            if not any_missing:
+            if attempt.everywhere:
                 source = LOCAL if plan[self.rank] == self.rank else REPLICA
                 self._events.emit(CHECKPOINT_LOADED, step=step, source=source, tier=LOCAL)
-                return LoadedCheckpoint(step, state, source)
+                return LoadedCheckpoint(step, attempt.state, source)
         if fallback is None:
             raise CheckpointNotFoundError(
                 f"no local checkpoint is complete across ranks under {self.root_dir}")
@@ -279,6 +251,11 @@ class LocalCheckpointManager:
                 continue
             valid.append(step)
         return valid
+
+    def _restore_and_read(self, step: int, plan: Dict[int, int], weights_only: bool) -> Any:
+        """This rank's state of `step`, its shard first fetched from a replica if the plan says so."""
+        self._restore_from_replicas(step, plan)
+        return self._read_own(step, weights_only)
 
     def _read_own(self, step: int, weights_only: bool) -> Any:
         manifest = read_manifest(self.store.path(step))

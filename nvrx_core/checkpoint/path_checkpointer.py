@@ -30,15 +30,14 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
-from nvrx_core.checkpoint.async_checkpointer import CHECKPOINT_FAILED
 from nvrx_core.checkpoint.config import CheckpointConfig
-from nvrx_core.checkpoint.errors import (CheckpointError, CheckpointNotFoundError,
-                                         CheckpointSaveError, SnapshotModifiedError)
+from nvrx_core.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from nvrx_core.checkpoint.layout import MANIFEST, FileEntry, Manifest, read_manifest, write_manifest
 from nvrx_core.checkpoint.path_publish import (hidden_name, hold_writer_lock, publish,
                                                release_writer_lock, remove_checkpoint,
                                                remove_entry, sweep_leftovers)
 from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline
+from nvrx_core.checkpoint.pipelined import PipelinedSaves
 from nvrx_core.checkpoint.shards import SaveAborted, read_shard
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
 
@@ -123,10 +122,10 @@ class PathCheckpointer:
         if not isinstance(self.config, CheckpointConfig):
             raise TypeError(f"config={config!r}: must be a CheckpointConfig or None")
         self._events = events if events is not None else EventLog.from_env("checkpoint")
-        self._pipeline = SavePipeline(self.config, 0, clock)
+        self._saves = PipelinedSaves(self.config, 0, settle=self._settle, events=self._events,
+                                     clock=clock, target_field="path", on_close=self._release)
         # Names this incarnation's hidden directories: another run's are crash leftovers.
         self.run_id = random.SystemRandom().getrandbits(63)
-        self._targets: Dict[int, str] = {}        # generation -> target path
         self._locks: Dict[str, Optional[int]] = {}   # directory -> writer lock descriptor
         self._removals = 0
         self._deleter: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -134,7 +133,12 @@ class PathCheckpointer:
     @property
     def pending_paths(self) -> List[str]:
         """Paths saved but not yet reported by finalize(), oldest first."""
-        return [self._targets[g] for g in sorted(self._pipeline.pending)]
+        return self._saves.pending_targets
+
+    @property
+    def _pipeline(self) -> SavePipeline:
+        """The save pipeline (tests gate its waits)."""
+        return self._saves.pipeline
 
     def save(self, state_dict: Any, path: PathLike, step: int = 0) -> int:
         """Snapshot `state_dict` to host memory and write it to `path` in the background.
@@ -145,8 +149,6 @@ class PathCheckpointer:
         A later save of the same path replaces it once written.
         """
         target = _entry_key(checkpoint_path(path))
-        over = len(self._pipeline.pending) - self.config.max_pending_saves + 1
-        self._finalize(block_first=max(0, over))
         directory = os.path.dirname(target)
         if directory not in self._locks:
             os.makedirs(directory, exist_ok=True)
@@ -154,32 +156,28 @@ class PathCheckpointer:
             handled = sweep_leftovers(directory, self.run_id)
             if handled:
                 logger.info("cleaned up after interrupted saves in %s: %s", directory, handled)
-
-        def partial_for(generation: int) -> str:
-            self._targets[generation] = target
-            return hidden_name(target, "partial", self.run_id, generation)
-
-        pending = self._pipeline.start(state_dict, step, partial_for, self._settle)
+        pending = self._saves.start(
+            state_dict, step, lambda gen: hidden_name(target, "partial", self.run_id, gen), target)
         logger.debug("save to %s staged %d bytes in %.3f s", target, pending.staged_bytes,
                      pending.blocking_seconds)
         return pending.generation
 
     def wait_staged(self) -> None:
         """With staging="overlapped": return once every copy is complete (see AsyncCheckpointer)."""
-        self._pipeline.confirm_staged(block=True)
+        self._saves.wait_staged()
 
     def wait_for(self, path: PathLike) -> None:
         """Finish every save in flight to `path` (and the saves made before it)."""
         wanted = {_entry_key(checkpoint_path(path)), os.path.realpath(checkpoint_path(path))}
-        generations = sorted(self._pipeline.pending)
-        last = max((i for i, g in enumerate(generations) if self._targets[g] in wanted), default=-1)
+        pending = self._saves.pending_targets
+        last = max((i for i, target in enumerate(pending) if target in wanted), default=-1)
         if last >= 0:
-            self._finalize(block_first=last + 1)
+            self._saves.finish(last + 1)
 
     def finalize(self, blocking: bool = False) -> List[str]:
         """Paths committed since the last call, oldest first; raises a failed save's error
         (CheckpointSaveError) unless fail_on_save_error is False. blocking: wait for all."""
-        return self._finalize(len(self._pipeline.pending) if blocking else 0)
+        return self._saves.finalize(blocking)
 
     def load(self, path: PathLike, *, weights_only: Optional[bool] = True,
              map_location: Union[None, str, torch.device] = None) -> Any:
@@ -197,17 +195,9 @@ class PathCheckpointer:
                                  delete=self._delete_later)
 
     def close(self) -> None:
-        """Wait for the saves in flight and the deletions, then stop the background threads."""
-        try:
-            self.finalize(blocking=True)
-        finally:
-            self._pipeline.close()
-            if self._deleter is not None:
-                self._deleter.shutdown(wait=True)
-                self._deleter = None
-            for directory, fd in self._locks.items():
-                release_writer_lock(fd, directory, self.run_id)
-            self._locks.clear()
+        """Wait for the saves in flight and the deletions, then stop the background threads
+        (again: nothing)."""
+        self._saves.close()
 
     def __enter__(self) -> "PathCheckpointer":
         return self
@@ -217,42 +207,20 @@ class PathCheckpointer:
 
     # ---- training thread --------------------------------------------------------------------
 
+    def _release(self) -> None:
+        """close()'s part after the pipeline's: the deletions finished, the writer locks freed."""
+        if self._deleter is not None:
+            self._deleter.shutdown(wait=True)
+            self._deleter = None
+        for directory, fd in self._locks.items():
+            release_writer_lock(fd, directory, self.run_id)
+        self._locks.clear()
+
     def _delete_later(self, trash: str) -> None:
         if self._deleter is None:
             self._deleter = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="nvrx-ckpt-delete")
         self._deleter.submit(remove_entry, trash)
-
-    def _finalize(self, block_first: int) -> List[str]:
-        committed, errors = [], []
-        for pending in self._pipeline.take_finished(block_first):
-            target = self._targets.pop(pending.generation)
-            if pending.result.ok:
-                committed.append(target)
-            else:
-                error = self._report_failure(pending, target)
-                if error is not None:
-                    errors.append(error)
-        for error in errors[1:]:
-            logger.error("%s", error)
-        if errors:
-            raise errors[0]
-        return committed
-
-    def _report_failure(self, pending: PendingSave, target: str) -> Optional[BaseException]:
-        error = pending.result.error
-        self._events.emit(CHECKPOINT_FAILED, step=pending.step, path=target,
-                          generation=pending.generation, error=repr(error))
-        if isinstance(error, SnapshotModifiedError):
-            return None   # raised by the staging confirmation already
-        message = f"checkpoint save to {target} failed: {error!r}"
-        if self.config.fail_on_save_error:
-            failure = CheckpointSaveError(message)
-            failure.__cause__ = error
-            return failure
-        logger.error("%s (fail_on_save_error=False: training continues; the previous "
-                     "checkpoint at that path, if any, is intact)", message)
-        return None
 
     # ---- background worker ------------------------------------------------------------------
 
@@ -261,7 +229,7 @@ class PathCheckpointer:
         """Write the manifest and publish the directory at its target path."""
         if entries is None or pending.cancel.is_set():
             raise error or SaveAborted(f"save of step {pending.step} aborted")
-        target = self._targets[pending.generation]
+        target = pending.target
         try:
             write_manifest(pending.directory, Manifest(
                 step=pending.step, world_size=1, generation=pending.generation,

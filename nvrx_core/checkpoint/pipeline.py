@@ -21,10 +21,10 @@ copy, and nothing is forked from a process that holds CUDA contexts and NCCL thr
 The worker is a daemon thread, which the interpreter does not wait for at exit: it stops
 it wherever it is, and when a worker inside a collective or a write returns from that call
 into a finalizing interpreter, the thread's exit aborts the process (std::terminate, exit
-code -6). So a pipeline still running at exit (its owner never called close()) is closed
-while the interpreter is still whole (nvrx_core.teardown.finish_before_exit): the saves in
-flight are finished, as close() would, before concurrent.futures stops the writer threads
-from taking work.
+code -6). So a pipeline still running at exit (its owner never called close()) must be
+closed while the interpreter is still whole, before concurrent.futures stops the writer
+threads from taking work: its owner's PipelinedSaves (pipelined.py) does that, through
+nvrx_core.teardown.finish_before_exit.
 """
 
 import concurrent.futures
@@ -34,7 +34,6 @@ import os
 import queue
 import threading
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from nvrx_core.checkpoint.config import CheckpointConfig
@@ -42,7 +41,6 @@ from nvrx_core.checkpoint.errors import CheckpointError, SnapshotModifiedError
 from nvrx_core.checkpoint.layout import FileEntry, rank_prefix
 from nvrx_core.checkpoint.shards import SaveAborted, write_shard
 from nvrx_core.checkpoint.staging import HostStager, StagedState, StagingJob
-from nvrx_core.teardown import finish_before_exit
 
 logger = logging.getLogger("nvrx.checkpoint")
 
@@ -66,6 +64,8 @@ class PendingSave:
     settle: Optional[SettleHook] = None
     staging: Optional[StagingJob] = None
     """Overlapped staging only: the copy in flight and its confirmation."""
+    target: Any = None
+    """What the owner reports once the save is committed: its step, or the path it goes to."""
     result: Optional["SaveResult"] = None
 
 
@@ -108,9 +108,10 @@ class SavePipeline:
     # ---- training-thread side -------------------------------------------------------------
 
     def start(self, state: Any, step: int, directory_for: Callable[[int], str],
-              settle: Optional[SettleHook] = None) -> PendingSave:
+              settle: Optional[SettleHook] = None, target: Any = None) -> PendingSave:
         """Stage `state` (all of it blocking, or with overlapped staging only the start
-        of the copy) and queue it for writing into `directory_for(generation)`."""
+        of the copy) and queue it for writing into `directory_for(generation)`. `target`
+        (default: the step) is kept on the PendingSave for the owner and its settle hook."""
         if not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step={step!r}: must be an integer >= 0")
         began = self._clock()
@@ -124,7 +125,8 @@ class SavePipeline:
             generation=self._next_generation, step=step,
             directory=directory_for(self._next_generation), rank=self.rank,
             cancel=threading.Event(), staged_bytes=staged.nbytes,
-            blocking_seconds=self._clock() - began, started=began, settle=settle, staging=job)
+            blocking_seconds=self._clock() - began, started=began, settle=settle, staging=job,
+            target=step if target is None else target)
         self._next_generation += 1
         self.pending[pending.generation] = pending
         self._ensure_worker()
@@ -158,6 +160,11 @@ class SavePipeline:
             logger.error("%s", error)
         if errors and raise_errors:
             raise errors[0]
+
+    @property
+    def started(self) -> bool:
+        """Whether the worker runs (from the first start() until close())."""
+        return self._thread is not None
 
     def oldest(self) -> Optional[PendingSave]:
         return self.pending[min(self.pending)] if self.pending else None
@@ -238,19 +245,6 @@ class SavePipeline:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._stager.close()
-        _running.discard(self)
-
-    def close_at_exit(self) -> None:
-        """The exit hook's work: finish what the worker has, as close() does."""
-        if self._thread is None:
-            return
-        self.poll()
-        steps = sorted(p.step for p in self.pending.values() if p.result is None)
-        if steps:
-            logger.warning("checkpoint pipeline of rank %d not closed before the interpreter "
-                           "exits: finishing the saves of steps %s first (call close() to "
-                           "learn how they ended)", self.rank, steps)
-        self.close()
 
     def _attach(self, result: SaveResult) -> None:
         pending = self.pending.get(result.generation)
@@ -268,7 +262,6 @@ class SavePipeline:
             self._thread = threading.Thread(target=self._worker_loop, name="nvrx-ckpt-worker",
                                             daemon=True)
             self._thread.start()
-            _close_running_at_exit(self)
 
     # ---- worker side -----------------------------------------------------------------------
 
@@ -319,30 +312,6 @@ class SavePipeline:
                 logger.error("background save of step %d failed: %r", pending.step, error)
             remove_rank_files(pending.directory, pending.rank)
         return SaveResult(pending.generation, entries or [], extra, error, self._clock() - began)
-
-
-_running: "weakref.WeakSet[SavePipeline]" = weakref.WeakSet()
-_hook_lock = threading.Lock()
-_hook_registered = False
-
-
-def _close_running_at_exit(pipeline: SavePipeline) -> None:
-    """Have `pipeline` closed at interpreter exit unless close() comes first."""
-    global _hook_registered
-    with _hook_lock:
-        _running.add(pipeline)
-        # registered after the writer pool exists (concurrent.futures.thread registered its
-        # own hook when imported): last registered, ours runs first
-        if not _hook_registered:
-            _hook_registered = finish_before_exit(_close_all_running)
-
-
-def _close_all_running() -> None:
-    for pipeline in list(_running):
-        try:
-            pipeline.close_at_exit()
-        except Exception:  # the next pipeline still gets its chance
-            logger.exception("closing a checkpoint pipeline at exit failed")
 
 
 def _snapshot_modified(step: int, modified: List[str]) -> SnapshotModifiedError:
