@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from nvrx_core import collectives
+from nvrx_core import collectives, dist_env
 from nvrx_core.checkpoint import replication
 from nvrx_core.checkpoint.agreed_load import load_everywhere
 from nvrx_core.checkpoint.collectives import side_group
@@ -85,8 +85,8 @@ class LocalCheckpointManager:
     def _setup_replication(self) -> None:
         if self._group is collectives.SINGLE_PROCESS:
             raise ConfigError("replication_factor>0 needs torch.distributed to be initialized")
-        per_node = self.config.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-        if per_node <= 0:
+        per_node = self.config.ranks_per_node or dist_env.local_world_size(optional=True)
+        if not per_node:
             raise ConfigError("replication_factor>0: set ranks_per_node or LOCAL_WORLD_SIZE so "
                               "replicas can be placed on other nodes")
         replication.check_topology(self.world_size, per_node, self.config.replication_factor)
