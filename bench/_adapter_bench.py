@@ -50,22 +50,48 @@ def step_interval(records: List[dict]) -> float:
     return statistics.median(intervals) if intervals else float("nan")
 
 
+def hook_time_per_step(records: List[dict], steps: int) -> Optional[float]:
+    """Mean seconds per step the timed callback spent in its hooks, over the ranks (None: the
+    job did not time its callback)."""
+    spent = [r["hook_seconds"] for r in records if r["ev"] == "steps" and r.get("hook_seconds") is not None]
+    return statistics.mean(spent) / steps if spent else None
+
+
 def overhead(run: Run, figure: str, step_s: float, steps: int, runs: int) -> None:
     """`runs` interleaved pairs under our launcher, the job's callbacks off ("none") and on
-    ("ours"); prints the median step interval of each and their ratio."""
+    ("ours"); prints the median step interval of each and their ratio, the median of the
+    pairs' ratios (each pair ran back to back, so a drift of the machine's load cancels), and,
+    where the job times its callback's hooks, their own time per step."""
     job = ["--step-time", str(step_s), "--steps", str(steps)]
     measured: Dict[str, List[float]] = {"ours": [], "none": []}
+    pairs: List[float] = []
+    hooks: List[float] = []
     for _ in range(runs):
+        pair = {}
         for callbacks in ("none", "ours"):
             code, records = run("ours", job + ["--callbacks", callbacks])
             if code == 0:
-                measured[callbacks].append(step_interval(records))
+                pair[callbacks] = step_interval(records)
+                measured[callbacks].append(pair[callbacks])
+                hook = hook_time_per_step(records, steps)
+                if hook is not None:
+                    hooks.append(hook)
+        if len(pair) == 2:
+            pairs.append(pair["ours"] / pair["none"])
     ours = statistics.median(measured["ours"] or [float("nan")])
     plain = statistics.median(measured["none"] or [float("nan")])
     print(f"  step interval runs (ms): ours {[round(v * 1e3, 2) for v in measured['ours']]}, "
           f"none {[round(v * 1e3, 2) for v in measured['none']]}", flush=True)
     print(f"{figure}_{step_s * 1e3:g}ms_step: ours {ours * 1e3:.2f} ms, peer(no callbacks) {plain * 1e3:.2f} ms, "
           f"ratio {ours / plain:.3f} (cost {100 * (ours / plain - 1):+.2f}%)", flush=True)
+    if pairs:
+        paired = statistics.median(pairs)
+        print(f"{figure}_{step_s * 1e3:g}ms_step_paired: median of {len(pairs)} pair ratios {paired:.3f} "
+              f"(cost {100 * (paired - 1):+.2f}%)", flush=True)
+    if hooks:
+        hook = statistics.median(hooks)
+        print(f"{figure}_{step_s * 1e3:g}ms_step_hooks: ours {hook * 1e6:.1f} us per step in the callback's hooks, "
+              f"{100 * hook / plain:.3f}% of the step without callbacks", flush=True)
 
 
 KILL_JOB = ["--fault", "kill", "--fault-step", "15", "--steps", "30", "--checkpoint-every", "10",

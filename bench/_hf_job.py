@@ -9,7 +9,8 @@ The model is one Linear layer whose forward sleeps to --step-time (the work a GP
 so the figure is the Trainer's and the callback's cost around a step, not CPU arithmetic.
 Appends JSON lines {"t", "ev", "pid", ...} to WORKDIR/timeline.jsonl: started (after the
 checkpoint was loaded), fault, done, and one "steps" record per rank at the end with every
-step's end time (kept in memory while training). With --record-each-step every step is also
+step's end time (kept in memory while training) and, with --callbacks ours, the seconds the
+callback spent in its hooks during training. With --record-each-step every step is also
 appended as it ends (the restart figure needs the first step after a restart).
 """
 
@@ -74,11 +75,38 @@ class Rows(torch.utils.data.Dataset):
         return {"x": self.x[index]}
 
 
-class StepClock(TrainerCallback):
-    """Step end times (in memory) and the injected fault."""
+class HookTimer:
+    """The time a callback spends in its hooks while training runs (every on_* but the ones
+    around the whole run: train begin/end, init end). The overhead figure subtracts two noisy
+    step intervals; this measures the callback's own share of a step directly."""
 
-    def __init__(self):
+    AROUND_THE_RUN = ("on_init_end", "on_train_begin", "on_train_end")
+
+    def __init__(self, callback):
+        self.seconds = 0.0
+        self.by_hook = {}
+        for name in dir(type(callback)):
+            if name.startswith("on_") and name not in self.AROUND_THE_RUN:
+                setattr(callback, name, self._timed(name, getattr(callback, name)))
+
+    def _timed(self, name, hook):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - began
+                self.seconds += spent
+                self.by_hook[name] = self.by_hook.get(name, 0.0) + spent
+        return timed
+
+
+class StepClock(TrainerCallback):
+    """Step end times (in memory), the injected fault, and the timed callback's hook time."""
+
+    def __init__(self, hook_timer=None):
         self.ends = []
+        self.hook_timer = hook_timer
 
     def on_train_begin(self, a, state, control, **kwargs):
         record("started", rank=rank, step=state.global_step)
@@ -94,16 +122,21 @@ class StepClock(TrainerCallback):
             os.kill(os.getpid(), 9)
 
     def on_train_end(self, a, state, control, **kwargs):
-        record("steps", rank=rank, ends=self.ends)
+        timer = self.hook_timer
+        record("steps", rank=rank, ends=self.ends, hook_seconds=timer and timer.seconds,
+               hook_seconds_by_name=timer and timer.by_hook)
 
 
 def main():
     torch.set_num_threads(1)
-    callbacks = [StepClock()]
+    callbacks = []
     if args.callbacks == "ours":
         from nvrx_hf.fault_tolerance import NVRxFaultTolerance
 
-        callbacks.append(NVRxFaultTolerance())
+        ours = NVRxFaultTolerance()
+        callbacks = [StepClock(HookTimer(ours)), ours]
+    else:
+        callbacks = [StepClock()]
     output_dir = os.path.join(args.workdir, "out")
     training = TrainingArguments(
         output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=0.01,
