@@ -4,7 +4,7 @@
 - `clock.FakeClock`: time a test advances, for decisions about timeouts.
 - `timeline.all_arrive`: a collective on ranks' FakeClocks (recorded timings for straggler rankings).
 - `node_monitor.NodeMonitorOnThread`, `Rank`: a real FT node monitor on a thread, real rank processes.
-- `ranks.spawn_ranks` / `run_spawned_ranks` / `TorchrunLikeRanks`: N rank processes.
+- `ranks.spawn_ranks` / `run_spawned_ranks` / `TorchrunLikeRanks` / `start_rank` / `kill_ranks`: rank processes.
 - `stores.host_store` / `store_process` / `stop`: the TCPStore a test holds.
 - `launcher.run_launcher` / `warm_popen` / `kill_tree`: ft_launcher as a real process.
 
