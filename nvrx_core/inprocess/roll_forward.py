@@ -20,6 +20,7 @@ then every object's load_state_dict. It assumes replicated state (DDP): a sharde
 has no single rank that holds all of it, and must reload its checkpoint instead.
 """
 
+import math
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -103,15 +104,15 @@ def _transfer_tensors(coll: Collectives, src: int, structure: Any, own: Optional
         if coll.rank == src:
             flat = torch.cat([mine[path].detach().reshape(-1).to(coll.device) for path, _, _ in bucket])
         else:
-            flat = torch.empty(sum(_numel(shape) for _, _, shape in bucket), dtype=dtype, device=coll.device)
+            flat = torch.empty(sum(math.prod(shape) for _, _, shape in bucket), dtype=dtype, device=coll.device)
         _c10d.broadcast(flat, src=root, group=coll.group)
         if coll.device.type == "cpu":
             wait_released([flat])
         if receiving:
             offset = 0
             for path, _, shape in bucket:
-                part = flat[offset:offset + _numel(shape)].view(shape)
-                offset += _numel(shape)
+                part = flat[offset:offset + math.prod(shape)].view(shape)
+                offset += math.prod(shape)
                 received.append(_receive_into(mine.get(path), part))
     return received
 
@@ -124,20 +125,13 @@ def _buckets(specs: List[Tuple[str, torch.dtype, List[int]]]) -> List[List[Tuple
     buckets: List[List[Tuple[str, torch.dtype, List[int]]]] = []
     size = 0
     for spec in specs:
-        nbytes = _numel(spec[2]) * spec[1].itemsize
+        nbytes = math.prod(spec[2]) * spec[1].itemsize
         if not buckets or buckets[-1][0][1] != spec[1] or size + nbytes > BUCKET_BYTES:
             buckets.append([])
             size = 0
         buckets[-1].append(spec)
         size += nbytes
     return buckets
-
-
-def _numel(shape: List[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def _receive_into(own: Optional[torch.Tensor], part: torch.Tensor) -> torch.Tensor:
