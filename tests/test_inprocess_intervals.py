@@ -134,4 +134,10 @@ def test_node_of_falls_back_to_the_host_name(monkeypatch):
     import socket
 
     monkeypatch.setattr(socket, "gethostname", lambda: "host-a")
-    assert node_of({}, 5) == node_of({"LOCAL_WORLD_SIZE": "0"}, 5) == "host-a"
+    assert node_of({}, 5) == "host-a"
+
+
+@pytest.mark.parametrize("value", ["0", "two", ""])
+def test_node_of_refuses_a_bad_local_world_size(value):
+    with pytest.raises(ConfigError, match=f"LOCAL_WORLD_SIZE={value!r}"):
+        node_of({"LOCAL_WORLD_SIZE": value}, 5)

@@ -15,6 +15,8 @@ import dataclasses
 import socket
 from typing import Callable, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from nvrx_core import dist_env
+
 Policy = Callable[["Assignment"], "Assignment"]
 
 
@@ -195,13 +197,15 @@ def node_of(env: Mapping[str, str], rank: int) -> str:
     GROUP_RANK (torchrun / ft_launcher's node rank) when set; else the block of
     LOCAL_WORLD_SIZE consecutive ranks this rank falls in (launchers number a node's ranks
     consecutively; a node's rank count is LOCAL_WORLD_SIZE, not its GPU count, so CPU jobs
-    and jobs using some of a node's GPUs are grouped right); else the host name.
+    and jobs using some of a node's GPUs are grouped right); else the host name. A
+    LOCAL_WORLD_SIZE that is set but invalid is a ConfigError (dist_env's rule): read as
+    unset, it would put every rank of a multi-node job on one "node" of the host name.
     """
     if env.get("GROUP_RANK"):
         return env["GROUP_RANK"]
-    local_world = env.get("LOCAL_WORLD_SIZE", "")
-    if local_world.isdigit() and int(local_world) > 0:
-        return f"ranks-{rank // int(local_world) * int(local_world)}+{local_world}"
+    local_world = dist_env.local_world_size(env, optional=True)
+    if local_world is not None:
+        return f"ranks-{rank // local_world * local_world}+{local_world}"
     return socket.gethostname()
 
 
