@@ -8,7 +8,6 @@ finished early)."""
 import collections
 import errno
 import os
-import threading
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from nvrx_core.checkpoint import path_checkpointer, path_publish
 from nvrx_core.checkpoint.path_checkpointer import PathCheckpointer, is_path_checkpoint, load_path
 from nvrx_core.checkpoint.path_publish import hidden_name
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog, read_events
+from harness.checkpoint_gate import PublishGate
 
 
 def state(value: float) -> dict:
@@ -45,34 +45,6 @@ def assert_state(loaded: dict, value: float) -> None:
 
 def hidden_entries(directory) -> list:
     return sorted(n for n in os.listdir(directory) if ".nvrx-" in n)
-
-
-class Gate:
-    """Holds the worker at the publish step until `open()`; `reached` once it is there."""
-
-    def __init__(self, monkeypatch):
-        self.reached, self.released = threading.Event(), threading.Event()
-        real = path_checkpointer.publish
-
-        def gated(*args, **kwargs):
-            self.reached.set()
-            assert self.released.wait(120), "the test never opened the gate"
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(path_checkpointer, "publish", gated)
-
-    def open_when_waited_on(self, ckpt: PathCheckpointer) -> threading.Event:
-        """Open the gate once the training thread blocks on a save's result."""
-        waited = threading.Event()
-        real_wait = ckpt._pipeline.wait
-
-        def wait(pending, timeout=None):
-            waited.set()
-            self.released.set()
-            return real_wait(pending, timeout)
-
-        ckpt._pipeline.wait = wait
-        return waited
 
 
 def test_round_trip_and_on_disk_format(tmp_path):
@@ -150,24 +122,24 @@ def test_load_finishes_the_write_in_flight_to_that_path(tmp_path, monkeypatch):
     ckpt = PathCheckpointer()
     ckpt.save(state(1), path)
     ckpt.wait_for(path)
-    gate = Gate(monkeypatch)
+    gate = PublishGate(monkeypatch)
     ckpt.save(state(2), path)
     assert gate.reached.wait(60)
     assert_state(load_path(path), 1)             # not yet published
-    waited = gate.open_when_waited_on(ckpt)
+    gate.open_when_waited_on()
     assert_state(ckpt.load(path), 2)
-    assert waited.is_set()
+    assert gate.waited.is_set()
     ckpt.close()
 
 
 def test_load_through_a_symlink_finishes_the_write_of_its_target(tmp_path, monkeypatch):
     target, link = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "last.ckpt"
     ckpt = PathCheckpointer()
-    gate = Gate(monkeypatch)
+    gate = PublishGate(monkeypatch)
     ckpt.save(state(4), target)
     os.symlink(target.name, link)                # ModelCheckpoint(save_last="link")
     assert gate.reached.wait(60)
-    gate.open_when_waited_on(ckpt)
+    gate.open_when_waited_on()
     assert_state(ckpt.load(link), 4)
     ckpt.close()
 
@@ -175,12 +147,12 @@ def test_load_through_a_symlink_finishes_the_write_of_its_target(tmp_path, monke
 def test_remove_finishes_the_write_in_flight_so_it_cannot_reappear(tmp_path, monkeypatch):
     path, other = tmp_path / "epoch=0-step=2.ckpt", tmp_path / "epoch=0-step=4.ckpt"
     ckpt = PathCheckpointer(CheckpointConfig(max_pending_saves=2))
-    gate = Gate(monkeypatch)
+    gate = PublishGate(monkeypatch)
     ckpt.save(state(2), path)
     assert gate.reached.wait(60)
-    waited = gate.open_when_waited_on(ckpt)
+    gate.open_when_waited_on()
     assert ckpt.remove(path) is True
-    assert waited.is_set() and not os.path.lexists(path)
+    assert gate.waited.is_set() and not os.path.lexists(path)
     ckpt.save(state(4), other)
     ckpt.close()
     assert not os.path.lexists(path) and is_path_checkpoint(other)
@@ -265,7 +237,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_the_sweep_spares_a_live_writer_in_the_same_directory(tmp_path, monkeypatch):
-    gate = Gate(monkeypatch)
+    gate = PublishGate(monkeypatch)
     first, second = PathCheckpointer(), PathCheckpointer()
     first.save(state(1), tmp_path / "a.ckpt")
     assert gate.reached.wait(60)                 # first's partial directory is on disk

@@ -13,12 +13,12 @@ import os
 import pickle
 import signal
 import sys
-import threading
 
 import pytest
 import torch
 
 from harness import wait_for
+from harness.checkpoint_gate import PublishGate
 import warm_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,32 +54,6 @@ def fail_publish(monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
     monkeypatch.setattr(path_checkpointer, "publish", disk_full)
-
-
-class Gate:
-    """Holds the core's worker at the publish step; opened once the caller waits on it."""
-
-    def __init__(self, monkeypatch):
-        self.reached, self.released, self.waited = threading.Event(), threading.Event(), threading.Event()
-        real = path_checkpointer.publish
-
-        def gated(*args, **kwargs):
-            self.reached.set()
-            assert self.released.wait(120), "the test never opened the gate"
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(path_checkpointer, "publish", gated)
-
-    def open_when_waited_on(self, io: NVRxAsyncCheckpointIO) -> None:
-        pipeline = io._checkpointer._pipeline
-        real_wait = pipeline.wait
-
-        def wait(pending, timeout=None):
-            self.waited.set()
-            self.released.set()
-            return real_wait(pending, timeout)
-
-        pipeline.wait = wait
 
 
 def test_fit_keeps_top_k_and_last_and_a_new_trainer_resumes_from_last(tmp_path):
@@ -144,21 +118,21 @@ def test_load_and_remove_finish_the_write_in_flight(tmp_path, monkeypatch):
     io = NVRxAsyncCheckpointIO()
     io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, path)
     io.save_checkpoint({"global_step": 1, "w": torch.ones(3)}, doomed, {"blocking": True})
-    gate = Gate(monkeypatch)
+    gate = PublishGate(monkeypatch)
     checkpoint = {"global_step": 2, "w": torch.full((3,), 2.0)}
     io.save_checkpoint(checkpoint, path)
     checkpoint["w"].add_(1)                              # safe: the save took a snapshot
     assert gate.reached.wait(60)
     assert load_path(path)["global_step"] == 1           # still the committed one
-    gate.open_when_waited_on(io)
+    gate.open_when_waited_on()
     loaded = io.load_checkpoint(path)
     assert gate.waited.is_set() and loaded["global_step"] == 2
     assert torch.equal(loaded["w"], torch.full((3,), 2.0))
 
-    gate.released.clear(), gate.reached.clear(), gate.waited.clear()
+    gate.reset()
     io.save_checkpoint({"global_step": 3, "w": torch.zeros(3)}, doomed)
     assert gate.reached.wait(60)
-    gate.open_when_waited_on(io)
+    gate.open_when_waited_on()
     io.remove_checkpoint(doomed)
     assert gate.waited.is_set() and not os.path.lexists(doomed)
     io.teardown()

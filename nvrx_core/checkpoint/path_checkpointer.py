@@ -36,7 +36,7 @@ from nvrx_core.checkpoint.layout import MANIFEST, FileEntry, Manifest, read_mani
 from nvrx_core.checkpoint.path_publish import (hidden_name, hold_writer_lock, publish,
                                                release_writer_lock, remove_checkpoint,
                                                remove_entry, sweep_leftovers)
-from nvrx_core.checkpoint.pipeline import PendingSave, SavePipeline
+from nvrx_core.checkpoint.pipeline import PendingSave
 from nvrx_core.checkpoint.pipelined import PipelinedSaves
 from nvrx_core.checkpoint.shards import SaveAborted, read_shard
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog
@@ -134,11 +134,6 @@ class PathCheckpointer:
     def pending_paths(self) -> List[str]:
         """Paths saved but not yet reported by finalize(), oldest first."""
         return self._saves.pending_targets
-
-    @property
-    def _pipeline(self) -> SavePipeline:
-        """The save pipeline (tests gate its waits)."""
-        return self._saves.pipeline
 
     def save(self, state_dict: Any, path: PathLike, step: int = 0) -> int:
         """Snapshot `state_dict` to host memory and write it to `path` in the background.
