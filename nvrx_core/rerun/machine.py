@@ -19,7 +19,8 @@ Training-loop protocol (Megatron-LM's names)::
     optimizer.step()
 
 The states and their transitions are the table in `states.py`; each protocol call turns
-into one event, agreed by all ranks with one integer all-reduce.
+into one event, agreed by all ranks with one integer all-reduce. state_dict() and
+load_state_dict() are `checkpoint_state.py`'s.
 """
 
 import functools
@@ -36,16 +37,17 @@ from nvrx_core.events import EventLog
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.rerun import report
 from nvrx_core.rerun.adapters import DeviceIdentity, RngStateAdapter, StateAdapter, local_device_identity
+from nvrx_core.rerun.checkpoint_state import CheckpointState
 from nvrx_core.rerun.checks import check_validation_arguments, reject_non_finite
 from nvrx_core.rerun.collective import CollectiveVote
 from nvrx_core.rerun.config import RerunConfig, RerunMode
 from nvrx_core.rerun.data import RerunDataIterator, as_rerun_iterators
 from nvrx_core.rerun.injection import RerunErrorInjector
-from nvrx_core.rerun.persist import FORMAT_VERSION, FailedCall, apply_iterator_states, parse_state_dict
+from nvrx_core.rerun.persist import FailedCall
 from nvrx_core.rerun.run import RunChecks, as_flag
 from nvrx_core.rerun.spiky import SpikyLossDetector
 from nvrx_core.rerun.states import (
-    CHECKPOINTABLE_STATES, EXIT_REQUESTS, RerunEvent, RerunState, next_state, vote_code, voted_event,
+    EXIT_REQUESTS, RerunEvent, RerunState, next_state, vote_code, voted_event,
 )
 from nvrx_core.rerun.stats import DeterminismStats, combine_ranks, relative_difference
 
@@ -59,7 +61,7 @@ class RerunValidationError(RuntimeError):
     """A fatal check rejected a result while reruns are disabled (Megatron-LM raises here too)."""
 
 
-class RerunStateMachine:
+class RerunStateMachine(CheckpointState):
     def __init__(
         self,
         config: RerunConfig,
@@ -324,10 +326,6 @@ class RerunStateMachine:
     def _live_iterators(self) -> List[RerunDataIterator]:
         return [it for it in self._iterators if it is not None]
 
-    def _load_iterator_states(self, iterators: List[Optional[RerunDataIterator]]) -> None:
-        states, self._loaded_iterator_states = self._loaded_iterator_states or [], None
-        apply_iterator_states(iterators, states)
-
     def _new_spiky_detector(self) -> SpikyLossDetector:
         c = self.config
         return SpikyLossDetector(c.spiky_loss_factor, c.spiky_loss_window, c.spiky_loss_warmup,
@@ -373,7 +371,7 @@ class RerunStateMachine:
         if fatal:
             raise RerunValidationError(text)
 
-    # ------------------------------------------------------- stats and state
+    # ---------------------------------------------------------------- stats
     def report_determinism_stats(self) -> Optional[dict]:
         """Collective: gathers every rank's relative differences; the summary on rank 0, else None."""
         gathered = self._vote.gather_json(self._stats.take())
@@ -385,55 +383,3 @@ class RerunStateMachine:
             logger.info("rerun determinism stats, iteration %d, %r: %s", self.current_iteration, message, s)
         self._events.emit(ev.RERUN_DETERMINISM_STATS, rank=self._rank, **summary)
         return summary
-
-    def state_dict(self, data_iterator: Any = None) -> dict:
-        """Plain-data state for the checkpoint; between steps, or when asked to checkpoint and exit."""
-        if self.state not in CHECKPOINTABLE_STATES:
-            raise RuntimeError(f"state_dict() called in state {self.state.value!r}: checkpoint between steps")
-        pending = self.state is S.WILL_RERUN_FROM_CHECKPOINT
-        iterators = self._as_iterators(data_iterator) if data_iterator is not None else self._iterators
-        if pending and data_iterator is not None and iterators != self._iterators:
-            raise ValueError("state_dict(data_iterator): pass the iterator(s) the step ran with")
-        return {
-            "format_version": FORMAT_VERSION,
-            "mode": self.mode.value,
-            "state": self.state.value,
-            "current_iteration": self.current_iteration,
-            "same_device_restarts": self.same_device_restarts,
-            "failed_call": self._failed.to_state() if pending and self._failed else None,
-            "saved_state": list(self._saved) if pending else None,
-            "data_iterators": [it.state_dict(include_batches=pending) if it else None for it in iterators],
-            "spiky_loss": self._spiky.state_dict(),
-        }
-
-    def load_state_dict(self, state: Any, abandon_pending_rerun: bool = False) -> None:
-        """Restore from a checkpoint (validated first: nothing changes if it is malformed).
-
-        A checkpoint written to re-check a step elsewhere makes the next step that re-check.
-        `abandon_pending_rerun=True` (or a mode other than validate_results) drops it instead,
-        and with it the step's microbatches: the way to skip data the log blames.
-        """
-        if self.state is not S.NOT_RUNNING_YET:
-            raise RuntimeError(f"load_state_dict() called in state {self.state.value!r}: load between steps")
-        spiky = self._new_spiky_detector()
-        loaded = parse_state_dict(state, self._adapters, spiky)
-        if loaded.mode is not self.mode:
-            logger.info("rerun: checkpoint written with rerun_mode=%s, continuing with %s", loaded.mode.value, self.mode.value)
-        pending = loaded.state is S.WILL_RERUN_FROM_CHECKPOINT
-        iterator_states = loaded.data_iterators
-        if pending and (abandon_pending_rerun or self.mode is not RerunMode.VALIDATE_RESULTS):
-            pending = False
-            iterator_states = [dict(s, batches=None) if s else None for s in iterator_states]
-            if loaded.failed_call is not None:
-                self._record(report.PENDING_RERUN_ABANDONED, loaded.failed_call, loaded.failed_call.initial_result,
-                             detail=f"not re-checked (rerun_mode={self.mode.value}, abandon_pending_rerun="
-                                    f"{abandon_pending_rerun}); the step's microbatches are skipped")
-        self._spiky = spiky
-        # An abandoned step never completed: the next step takes its number.
-        self.current_iteration = loaded.current_iteration - (loaded.state is not S.NOT_RUNNING_YET and not pending)
-        self.same_device_restarts = loaded.same_device_restarts if pending else 0
-        self._failed = loaded.failed_call if pending else None
-        self._saved = loaded.saved_state if pending else None
-        self._loaded_iterator_states = iterator_states
-        self.state = S.WILL_RERUN_FROM_CHECKPOINT if pending else S.NOT_RUNNING_YET
-        self._apply(E.CHECKPOINT_LOADED)
