@@ -5,7 +5,8 @@ per-cycle progress record survive the ranks. Ranks talk to it over a Unix socket
 (nvrx_core.ft.protocol). It sleeps until the earliest deadline of any rank; when one
 expires it dumps the rank's stacks and kills it (nvrx_core.ft.kills). The launcher then
 sees a failed worker and restarts the group. Timing never blocks serving: pending kills
-are scheduled actions, and replies are queued (nvrx_core.ft.monitor_io).
+are scheduled actions, and replies are queued (nvrx_core.ft.monitor_io). What a rank's
+message means for its record is nvrx_core.ft.rank_messages.
 
 If it dies anyway, ft_launcher starts a new one on the same listening socket, passing the
 restart cycle and the ranks still running (--adopt): each must re-register within a grace
@@ -37,9 +38,10 @@ from nvrx_core.ft.config import FTConfig
 from nvrx_core.ft.kills import Killer, Scheduler, SendSignal, signal_by_handle
 from nvrx_core.ft.hang_evidence import HangEvidence
 from nvrx_core.ft.monitor_io import Conn, dump_size, peer_credentials, read_stacks, remove, report_stacks, stack_file
-from nvrx_core.ft.protocol import WORKLOAD_ACTIONS, ProtocolError, encode
+from nvrx_core.ft.protocol import ProtocolError, encode
+from nvrx_core.ft.rank_messages import WATCH_MESSAGES, apply_to_watch
 from nvrx_core.ft.timeouts import Timeouts
-from nvrx_core.ft.watch import RankWatch, apply_state, cycle_stats, next_deadline, parse_adopt, reregister_grace
+from nvrx_core.ft.watch import RankWatch, cycle_stats, next_deadline, parse_adopt, reregister_grace
 from nvrx_core.proc import ProcessHandle
 from nvrx_core.signals import ignore_stop_requests
 
@@ -251,41 +253,13 @@ class NodeMonitor:
             raise ProtocolError(f"{kind} before init")
         if kind in ("hb", "se", "progress") and not self._cycle_progressed:
             self._progressed(w, kind)
-        if kind == "hb":
-            w.last_heartbeat = now
-            w.heartbeats += 1
-        elif kind == "ss":
-            w.uses_sections = True
-            w.open_sections[msg["name"]] = now
-        elif kind == "se":
-            if w.open_sections.pop(msg["name"], None) is not None:
-                w.section_ends += 1
-                if not w.open_sections:
-                    w.last_section_end = now
-        elif kind == "sea":
-            if w.open_sections:
-                w.open_sections.clear()
-                w.section_ends += 1
-                w.last_section_end = now
-        elif kind == "progress":
-            w.max_iteration = max(msg["iteration"], w.max_iteration if w.max_iteration is not None else -1)
-        elif kind == "timeouts":
-            calculated = Timeouts.from_json(msg["timeouts"], source="timeouts message")
-            w.timeouts = w.timeouts.overridden_by(calculated)
-            self.events.emit(ev.TIMEOUTS_UPDATED, rank=w.rank, cycle=w.cycle, timeouts=w.timeouts.to_json())
-        elif kind == "state":
-            if apply_state(w, msg, now, Timeouts.from_config(self.cfg)):
-                self.events.emit(ev.TIMEOUTS_UPDATED, rank=w.rank, cycle=w.cycle, timeouts=w.timeouts.to_json())
-            if not self._cycle_progressed and (w.heartbeats or w.section_ends or w.max_iteration is not None):
+        if kind in WATCH_MESSAGES:
+            apply_to_watch(w, msg, now, self.cfg, self.events)
+            if kind == "state" and not self._cycle_progressed and (
+                    w.heartbeats or w.section_ends or w.max_iteration is not None):
                 self._progressed(w, kind)
         elif kind == "collectives":
             self._evidence.answered(w, msg)
-        elif kind == "wc":
-            if msg["action"] not in WORKLOAD_ACTIONS:
-                raise ProtocolError(f"wc: action {msg['action']!r:.60} is not one of {', '.join(WORKLOAD_ACTIONS)}")
-            w.workload_request = msg["action"]
-            self.events.emit(ev.WORKLOAD_REQUEST, rank=w.rank, cycle=w.cycle, action=msg["action"],
-                             reason=str(msg.get("reason", ""))[:500])
         elif kind == "bye":
             self._drop(conn, clean=True)
         else:
