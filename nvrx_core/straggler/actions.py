@@ -47,28 +47,12 @@ class ReportActions:
         now = {(s.rank, s.score_kind, s.scope): s for s in report.stragglers}
         for key, s in now.items():
             if key not in self._flagged:
-                self._events.emit(
-                    STRAGGLER_FOUND,
-                    straggler_rank=s.rank,
-                    straggler_node=s.node,
-                    score_kind=s.score_kind,
-                    scope=s.scope,
-                    score=round(s.score, 4),
-                    threshold=s.threshold,
-                    consecutive=s.consecutive,
-                    report_index=report.index,
-                    action="stop" if report.stop else "report",
-                )
+                self._events.emit(STRAGGLER_FOUND, **_which_score(s), score=round(s.score, 4),
+                                  threshold=s.threshold, consecutive=s.consecutive, report_index=report.index,
+                                  action="stop" if report.stop else "report")
         for key, s in self._flagged.items():
             if key not in now:
-                self._events.emit(
-                    STRAGGLER_CLEARED,
-                    straggler_rank=s.rank,
-                    straggler_node=s.node,
-                    score_kind=s.score_kind,
-                    scope=s.scope,
-                    report_index=report.index,
-                )
+                self._events.emit(STRAGGLER_CLEARED, **_which_score(s), report_index=report.index)
         self._flagged = now
 
     def stop(self, report: Report, before_exit: Callable[[], None]) -> None:
@@ -93,3 +77,9 @@ class ReportActions:
             self._checkpoint_hook(report)
         before_exit()
         self._exit(code)
+
+
+def _which_score(straggler) -> dict:
+    """The fields that say whose score it is: a found and its cleared event carry the same ones."""
+    return dict(straggler_rank=straggler.rank, straggler_node=straggler.node,
+                score_kind=straggler.score_kind, scope=straggler.scope)
