@@ -22,12 +22,13 @@ endpoint, as with torch's c10d backend: losing that node ends the job.
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.distributed import DistNetworkError, PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
@@ -99,13 +100,30 @@ class BarrierSettings:
 
 
 class BarrierRendezvousHandler(RendezvousHandler):
-    def __init__(self, store: Store, settings: BarrierSettings):
+    """One node's side of the barrier rendezvous.
+
+    `clock` (monotonic seconds) is what every decision about time reads: a node lost, a round's
+    join_timeout and last_call_timeout, a leader taken over, how often a waiting node looks
+    again; a test passes a fake clock it advances, so these verdicts never depend on how late a
+    loaded host woke a thread. Waits that only bound a hang (shutdown's wait for the other nodes
+    to leave, the sleep between polls) stay on real time.
+
+    `heartbeat_thread=False`: no heartbeat thread is started; whoever made the handler calls
+    `beat()` instead (a test, once per step of its fake clock), so a live node never looks lost.
+    """
+
+    def __init__(self, store: Store, settings: BarrierSettings, *, clock: Callable[[], float] = time.monotonic,
+                 heartbeat_thread: bool = True):
         self.settings = settings
+        self.clock = clock
         self.node = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.events: Optional[ev.EventLog] = None  # set by the launcher
         self._store = PrefixStore(f"nvrx_rdzv/{settings.run_id}/", store)
         self._current: Optional[Membership] = None
         self._lost_in_round: Optional[int] = None  # the round in which a node was found lost
+        self._liveness = Liveness(settings.node_timeout, clock)  # this node's peers, as its beats watch them
+        self._heartbeat_thread = heartbeat_thread
+        self._registered = False  # counted in nodes_joined, heartbeat counter created
         self._stop = threading.Event()
         self._pulse: Optional[threading.Thread] = None
 
@@ -142,7 +160,7 @@ class BarrierRendezvousHandler(RendezvousHandler):
         try:
             if not self.is_closed():
                 self.set_closed()
-            if self._pulse is not None:
+            if self._registered:
                 joined = self._store.add("nodes_joined", 0)
                 left = self._store.add("nodes_left", 1)
                 deadline = time.monotonic() + 2 * self.settings.heartbeat_interval + 1.0
@@ -231,13 +249,13 @@ class BarrierRendezvousHandler(RendezvousHandler):
         that arrived after the decision (or whose leader died between writing the two)."""
         mine, result_key = f"{round_number}/assign/{index}", f"{round_number}/result"
         decider = RoundDecider(self, round_number, leading=index == 1)
-        poll, last_slow_check = max(FIRST_POLL, index / POLL_BUDGET), 0.0
+        poll, last_slow_check = max(FIRST_POLL, index / POLL_BUDGET), -math.inf  # look at once
         slowest = max(MIN_POLL, index / POLL_BUDGET)
         slow_every = max(self.settings.heartbeat_interval, SLOW_CHECK_REQUESTS * index / POLL_BUDGET)
         while True:
             if self._store.check([mine]):
                 return _parse(self._store.get(mine).decode(), Membership.from_json)
-            now = time.monotonic()
+            now = self.clock()
             if now - last_slow_check > slow_every:
                 last_slow_check = now
                 self._check_closed()
@@ -275,20 +293,28 @@ class BarrierRendezvousHandler(RendezvousHandler):
 
     # ---- heartbeat and watching -------------------------------------------------------------
     def _start_pulse(self) -> None:
-        if self._pulse is None:
+        if not self._registered:
             self._store.add("nodes_joined", 1)
             self._store.add(f"hb/{self.node}", 1)
-            self._pulse = threading.Thread(target=self._beat, name="nvrx-rdzv-heartbeat", daemon=True)
-            self._pulse.start()
+            self._registered = True
+            if self._heartbeat_thread:
+                self._pulse = threading.Thread(target=self._pulse_loop, name="nvrx-rdzv-heartbeat", daemon=True)
+                self._pulse.start()
 
-    def _beat(self) -> None:
-        liveness = Liveness(self.settings.node_timeout)
+    def _pulse_loop(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_interval):
             try:
-                self._store.add(f"hb/{self.node}", 1)
-                self._watch(liveness)
+                self.beat()
             except Exception as e:  # the store's host is gone: the agent's own calls will fail and say so
                 logger.debug("rendezvous heartbeat failed: %s", e)
+
+    def beat(self) -> None:
+        """One heartbeat: bump this node's counter, then watch its peers (a peer whose counter
+        stood still for node_timeout on `clock` is written to the round as lost). The heartbeat
+        thread calls this every heartbeat_interval; with `heartbeat_thread=False` the caller does,
+        from one thread at a time. Store errors are raised (the thread logs and goes on)."""
+        self._store.add(f"hb/{self.node}", 1)
+        self._watch(self._liveness)
 
     def _watch(self, liveness: Liveness) -> None:
         current = self._current
@@ -322,6 +348,7 @@ def _parse(text: str, parse):
 
 
 def create_handler(params: RendezvousParameters) -> BarrierRendezvousHandler:
+    """torch's registry calls this: the real clock and the heartbeat thread."""
     settings = BarrierSettings.from_params(params)
     _, store = create_backend(params)
     return BarrierRendezvousHandler(store, settings)

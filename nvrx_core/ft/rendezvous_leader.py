@@ -49,17 +49,22 @@ class Liveness:
 
 
 class RoundDecider:
-    """The leader's side of one round: gathers arrivals and liveness, asks plan_round."""
+    """The leader's side of one round: gathers arrivals and liveness, asks plan_round.
+
+    Every time it reads (when the round opened, since when it is short of nodes, the newest
+    arrival, a leader's liveness) comes from the handler's `clock`, so join_timeout,
+    last_call_timeout and a take-over are decided on whatever clock the handler was given."""
 
     def __init__(self, handler: "BarrierRendezvousHandler", round_number: int, leading: bool):
         self.h = handler
         self.store = handler._store
+        self.clock = handler.clock
         self.round = round_number
         self.arrivals: List[Arrival] = []
-        self.liveness = Liveness(handler.settings.node_timeout)
+        self.liveness = Liveness(handler.settings.node_timeout, self.clock)
         self.previous: Optional[RoundResult] = None
         self.previous_read = False
-        self.opened = time.monotonic()
+        self.opened = self.clock()
         self.short_since: Optional[float] = None
         self.leading = leading  # once this node leads a round it stays the leader
         self.dead: Set[str] = set()  # arrivals known lost since (a leader that died before deciding)
@@ -76,7 +81,7 @@ class RoundDecider:
             if not self.liveness.lost(leader):
                 return
             self.dead.add(leader)
-        elif time.monotonic() - self.opened < self.h.settings.node_timeout:
+        elif self.clock() - self.opened < self.h.settings.node_timeout:
             return
         self.leading = self.store.compare_set(key, leader, self.h.node).decode() == self.h.node
         if self.leading:
@@ -118,7 +123,7 @@ class RoundDecider:
                 # alive after the newest node arrived: a claim on its infra rank is a conflict, not a
                 # replacement (a node that died just before a replacement came never moves again)
                 alive = {n for n in pending if self.liveness.moved_since(n, self.newest_arrival_seen)}
-        now = time.monotonic()
+        now = self.clock()
         arrived = [a for a in self.arrivals if a.node not in self.dead]
         try:
             result = plan_round(self.round, arrived, previous, lost, settings.min_nodes, settings.max_nodes,
@@ -143,7 +148,7 @@ class RoundDecider:
             keys = [f"{self.round}/node/{i}" for i in range(known + 1, count + 1)]
             for i, raw in enumerate(self.store.multi_get(keys), start=known + 1):
                 self.arrivals.append(Arrival.from_json(raw.decode(), i))
-            self.newest_arrival_seen = time.monotonic()
+            self.newest_arrival_seen = self.clock()
 
     def _previous(self) -> Optional[RoundResult]:
         if not self.previous_read and self.round > 1:
