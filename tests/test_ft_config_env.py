@@ -8,7 +8,7 @@ from harness.launcher import run_launcher
 from nvrx_core.config import ConfigError
 from nvrx_core.exit_codes import ExitCode
 from nvrx_core.ft import config_env
-from nvrx_core.ft.launcher import build_parser, load_ft_config
+from nvrx_core.ft.launcher_args import build_parser, load_ft_config
 
 
 def test_what_goes_in_comes_out():

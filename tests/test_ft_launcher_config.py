@@ -4,7 +4,7 @@ import pytest
 
 from nvrx_core.config import ConfigError
 from nvrx_core.exit_codes import PREEMPTED_EXIT_CODE_ENV
-from nvrx_core.ft.launcher import attach_flag_values, build_parser, load_ft_config, preempted_exit_code
+from nvrx_core.ft.launcher_args import attach_flag_values, build_parser, load_ft_config, preempted_exit_code
 
 # What NeMo-Run 0.11's ft_launcher component writes (underscore spellings, zero values dropped).
 NEMO_RUN_ARGV = ["--ft-workload_check_interval", "5", "--ft-initial_rank_heartbeat_timeout", "1800",

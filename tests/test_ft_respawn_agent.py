@@ -21,7 +21,7 @@ from harness.launcher import SCRIPTS, alive, kill_tree, kinds, start_ticks
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.ft import launcher, warm_start
+from nvrx_core.ft import launcher_args, warm_start
 from nvrx_core.ft.respawn import Decision, RespawnPolicy, decide
 from nvrx_core.ft.respawn_marker import announce_wrapper, marker_path, wrapper_pid
 from nvrx_core.ft.timeouts import Timeouts
@@ -129,8 +129,8 @@ def test_torch_still_has_what_a_replacement_runs(monkeypatch):
 # ---- flags -----------------------------------------------------------------------------------
 
 def settings_for(*flags):
-    args = launcher.build_parser().parse_args([*flags, PROBE])
-    return launcher.check_args(args)
+    args = launcher_args.build_parser().parse_args([*flags, PROBE])
+    return launcher_args.check_args(args)
 
 
 def test_the_flags_build_the_policy_and_the_default_policy_has_none():

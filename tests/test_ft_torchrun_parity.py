@@ -32,7 +32,7 @@ from harness.launcher import SCRIPTS, kill_tree, kinds
 from nvrx_core.config import ConfigError
 from nvrx_core.events import read_events
 from nvrx_core.exit_codes import ExitCode
-from nvrx_core.ft import launcher
+from nvrx_core.ft import launcher, launcher_args
 from nvrx_core.ft import torchrun_options as opts
 from nvrx_core.ft.agent import AgentSettings, FaultTolerantAgent
 from harness import wait_for
@@ -404,5 +404,5 @@ def test_the_shutdown_grace_comes_from_either_launchers_names(monkeypatch, flags
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    args = launcher.build_parser().parse_args([*flags, "train.py"])
+    args = launcher_args.build_parser().parse_args([*flags, "train.py"])
     assert opts.resolve_shutdown_timeout(args, {k: v for k, v in env.items() if not k.startswith("PET_")}) == grace

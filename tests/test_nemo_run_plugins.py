@@ -10,13 +10,12 @@ import sys
 
 import fiddle as fdl
 import pytest
-import yaml
 
 nemo_run = pytest.importorskip("nemo_run")
 run = nemo_run
 
 from nvrx_core.config import ConfigError  # noqa: E402
-from nvrx_core.ft.launcher import build_parser, load_ft_config  # noqa: E402
+from nvrx_core.ft.launcher_args import build_parser, load_ft_config  # noqa: E402
 from nvrx_lightning import NVRxFaultTolerance, NVRxPreemption, NVRxStragglerDetection  # noqa: E402
 from nvrx_megatron import FaultToleranceConfig, NVRxStragglerDetectionConfig  # noqa: E402
 from nvrx_nemo_run import (FaultTolerancePlugin, FaultTolerancePluginScriptArgs, InProcessRestartPlugin,  # noqa: E402

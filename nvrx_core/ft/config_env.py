@@ -11,7 +11,7 @@ writes `export NAME=VALUE` without quoting, so the value is a comma-separated li
 
 `field` is an FTConfig field, `rank_section_timeouts.<section>` one section's timeout; a value
 is a number, `null`, `true`/`false` or a bare word (a signal or log level name). ft_launcher
-reads it after the YAML file and before its --ft-* flags (launcher.load_ft_config).
+reads it after the YAML file and before its --ft-* flags (launcher_args.load_ft_config).
 """
 
 import math

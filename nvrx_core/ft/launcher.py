@@ -30,11 +30,8 @@ from nvrx_core.ft.client import MONITOR_SOCKET_ENV
 from nvrx_core.ft.collective_trace import DEFAULT_BUFFER_ENTRIES
 from nvrx_core.ft import rendezvous as barrier
 from nvrx_core.ft.config import FTConfig
-from nvrx_core.ft.launcher_args import (  # the command line and its checks; re-exported for callers of this module
-    INFRA_RANK_SOURCES, RDZV_IMPLS, RESTART_POLICIES, attach_flag_values, build_parser, check_args,
-    check_barrier_options, config_from_args, get_args_parser, infra_group_rank, load_ft_config,
-    load_health_check, parse_min_max_nnodes, preempted_exit_code, resolve_rendezvous, warm_start_wanted,
-)
+from nvrx_core.ft.launcher_args import (attach_flag_values, build_parser, check_args, config_from_args, load_ft_config,
+                                         preempted_exit_code, resolve_rendezvous, warm_start_wanted)
 from nvrx_core.ft.monitor_handle import MonitorHandle
 from nvrx_core.ft import respawn_options
 from nvrx_core.ft.rendezvous_round import RendezvousConflictError
@@ -43,13 +40,6 @@ from nvrx_core.ft.warm_start import (PRELOAD, RESPAWN_PRELOAD, environment_since
                                      split_python_command, start_fork_server)
 from nvrx_core.proc import process_start_time
 from nvrx_core.torch_compat import FLIGHT_RECORDER_BUFFER_ENV
-
-__all__ = [
-    "INFRA_RANK_SOURCES", "RDZV_IMPLS", "RESTART_POLICIES", "attach_flag_values", "build_parser", "check_args",
-    "check_barrier_options", "config_from_args", "console_main", "enable_flight_recorder", "get_args_parser",
-    "infra_group_rank", "launch", "load_ft_config", "load_health_check", "main", "parse_min_max_nnodes",
-    "preempted_exit_code", "resolve_rendezvous", "warm_start_wanted",
-]
 
 logger = logging.getLogger("nvrx.ft.launcher")
 
