@@ -7,13 +7,15 @@ import os
 
 import torch
 
-from harness.launcher import REPO, kinds, run_launcher
+from harness.launcher import REPO, SCRIPTS, kinds, run_launcher
 from nvrx_core.durable import atomic_write_json
 from nvrx_core.events import read_events
 from nvrx_core.report.goodput import goodput
 from nvrx_core.report.incidents import find_incidents
 
 TRAINER = os.path.join(REPO, "examples", "megatron_style", "pretrain_gpt.py")
+RECORDED_TRAINER = os.path.join(SCRIPTS, "megatron_recorded_time.py")
+"""The same trainer and flags, its straggler manager on a recorded timeline (the script's docstring)."""
 ITERS = 200
 STEP_TIME = "0.03"  # 200 steps of 30 ms: the training loop alone outlasts the 5 s timeouts
 # Start-up (imports, gloo) is covered by the generous first timeouts; the job's own pace by 5 s ones.
@@ -25,13 +27,14 @@ TIMEOUTS = {"heartbeats": HEARTBEATS, "sections": SECTIONS}
 ALL_ON = ["--straggler", "--rerun-mode", "validate_results", "--exit-signal-handler"]
 
 
-def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1, launcher_args=()):
-    """One job of the trainer under ft_launcher: (launcher result, events, per-rank results, flag)."""
+def train(root, timeouts, *trainer_args, iters=ITERS, restarts=1, launcher_args=(), trainer=TRAINER):
+    """One job of the trainer under ft_launcher: (launcher result, events, per-rank results, flag).
+    `trainer`: TRAINER, or RECORDED_TRAINER for a straggler ranking decided on recorded time."""
     root.mkdir(parents=True, exist_ok=True)
     flag = root / "finished.flag"
     result = run_launcher(
         ["--nproc-per-node", "2", "--max-restarts", str(restarts), "--events-file", str(root / "events.jsonl"),
-         *timeouts, *launcher_args, TRAINER, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
+         *timeouts, *launcher_args, trainer, "--save", str(root / "ckpt"), "--train-iters", str(iters), "--step-time", STEP_TIME,
          "--enable-ft", "--result-dir", str(root), *trainer_args],
         timeout=300, env={"FAULT_TOL_FINISHED_FLAG_FILE": str(flag)})
     results = [json.loads((root / f"result{r}.json").read_text())

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from harness.launcher import kinds
-from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, TIMEOUTS, check_recovered, shared_reference_weights,
-                              saved_iteration, train)
+from megatron_trainer import (ALL_ON, HEARTBEATS, ITERS, RECORDED_TRAINER, TIMEOUTS, check_recovered,
+                              shared_reference_weights, saved_iteration, train)
 from nvrx_core.exit_codes import ExitCode
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,16 +56,29 @@ def test_under_respawn_rank_a_killed_rank_is_replaced_and_training_rolls_forward
 
 
 def test_a_30_percent_slower_rank_stops_every_rank_with_exit_19_after_a_checkpoint(tmp_path):
+    """On a recorded timeline (tests/scripts/megatron_recorded_time.py): each forward takes 30 ms
+    of the straggler manager's clock, 39 ms on rank 1, and the gradient all-reduce ends when the
+    last rank arrived (+1 ms), so a step is 40 ms of recorded time on both ranks and rank 0
+    waits 9 ms of it. Rank 1's relative score is exactly 30/39 = 1/1.3 against the 0.85
+    threshold; with 1 s report intervals it is a suspect at report 1 (iteration 25) and flagged
+    at report 2 (iteration 50), where every rank checkpoints and exits 19. Under the real
+    ft_launcher, gloo and checkpoints; only the straggler manager's clock is recorded."""
     result, events, results, flag = train(tmp_path, HEARTBEATS, "--straggler", "--straggler-stop-threshold", "0.85",
-                                          "--slow-rank", "1:1.3", iters=1000)
+                                          "--slow-rank", "1:1.3", "--save-interval", "1000", iters=1000,
+                                          trainer=RECORDED_TRAINER)  # the one checkpoint is the stop's
     assert result.returncode == ExitCode.STRAGGLER_STOP, result.stdout[-4000:]
     assert [r["exit_code"] for r in results] == [ExitCode.STRAGGLER_STOP] * 2
     assert [r["stragglers"] for r in results] == [[1], [1]]
-    stopped_at = {r["iteration"] for r in results}
-    assert len(stopped_at) == 1 and 0 < stopped_at.pop() == saved_iteration(tmp_path) < 1000
+    assert [r["iteration"] for r in results] == [50, 50] and saved_iteration(tmp_path) == 50
+    scores = results[0]["relative_scores"]  # rank 0 scores the report; rank 1 holds the decision
+    assert scores["0"] == 1.0 and scores["1"] == pytest.approx(1 / 1.3, abs=1e-9), scores
+    heatmap = kinds(events, "straggler_scores")
+    assert [(e["report_index"], e["scores"]) for e in heatmap] == [(1, {"0": 1.0, "1": 0.7692}),
+                                                                    (2, {"0": 1.0, "1": 0.7692})]
     found = kinds(events, "straggler_found")
-    assert found and all(e["straggler_rank"] == 1 and e["score"] < 0.85 for e in found)
-    assert any(e["action"] == "stop" for e in found)
+    assert sorted((e["straggler_rank"], e["score_kind"], e["scope"], e["score"], e["threshold"], e["consecutive"],
+                   e["report_index"], e["action"]) for e in found) == [
+        (1, "relative", scope, round(1 / 1.3, 4), 0.85, 2, 2, "stop") for scope in ("overall", "train_step")]
     assert not kinds(events, "restart_begun") and not flag.exists()
 
 

@@ -90,10 +90,10 @@ class GlobalState:
     def reset_for_restart(self) -> None:
         """Before an in-process restart calls the training function again (Bridge's name): the
         loop's state starts over from the checkpoint; the old monitor client is kept so setup
-        can close it."""
+        can close it, and so is the straggler manager (the failed call shut it down, the next
+        one initializes it again: a fresh detector, with the clock it was built with)."""
         self.train_state = TrainState()
         self.fault_tolerance_state = None
-        self.nvrx_straggler_manager = None
         self.exit_code = None
 
 
@@ -109,7 +109,10 @@ class StopTraining(Exception):
 def pretrain(cfg: ConfigContainer, forward_step_func: Callable, model_provider: Callable[[], torch.nn.Module],
              data_iterator_provider: Callable[[int], Iterator], state: Optional[GlobalState] = None) -> int:
     """Train to cfg.train.train_iters; returns the process exit code (0, or a stop's code).
-    Pass `state` to look at the run afterwards (its iteration, the straggler manager's report)."""
+    Pass `state` to look at the run afterwards (its iteration, the straggler manager's report),
+    or to hand the run a straggler manager of your own on `state.nvrx_straggler_manager` (one
+    built with its own clock, timer, process group or event log); without one, the run builds
+    it from cfg.nvrx_straggler."""
     state = state if state is not None else GlobalState(cfg)
     train = _train
     store = None
@@ -268,13 +271,18 @@ def _check_stops(cfg, state, straggler, signals, rerun) -> None:
 # ---- the parts each config switches on -----------------------------------------------------
 
 def _straggler_manager(cfg: ConfigContainer, state: GlobalState):
-    if cfg.nvrx_straggler is None or not cfg.nvrx_straggler.enabled:
-        return None
-    from nvrx_megatron.nvrx_straggler import NVRxStragglerDetectionManager
+    """The manager already on state.nvrx_straggler_manager if the caller put one there, else
+    one built from cfg.nvrx_straggler (None when that is off); initialized unless it is."""
+    manager = state.nvrx_straggler_manager
+    if manager is None:
+        if cfg.nvrx_straggler is None or not cfg.nvrx_straggler.enabled:
+            return None
+        from nvrx_megatron.nvrx_straggler import NVRxStragglerDetectionManager
 
-    state.nvrx_straggler_manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler)
-    state.nvrx_straggler_manager.initialize()
-    return state.nvrx_straggler_manager
+        manager = state.nvrx_straggler_manager = NVRxStragglerDetectionManager(cfg.nvrx_straggler)
+    if not manager.initialized:
+        manager.initialize()
+    return manager
 
 
 def _signal_handler(cfg: ConfigContainer):

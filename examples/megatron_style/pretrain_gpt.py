@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Type
 
 import torch
 import yaml
@@ -184,22 +184,28 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = apply_overrides(build_config(args), args.overrides)
-    faults = LossFaults(nan_at=_on_rank(args.nan_at) or -1, transient_nan_at=_on_rank(args.transient_nan_at) or -1,
-                        spike_at=_on_rank(args.spike_at) or -1, raise_at=_on_rank(args.raise_at) or -1,
-                        step_time=args.step_time, slowdown=_on_rank(args.slow_rank, float) or 1.0,
-                        kill_at=_on_rank(args.kill_at) or -1, kill_marker=os.path.join(args.save, "killed"))
-    return train_tiny_gpt(cfg, faults, args.result_dir)
+    return train_tiny_gpt(cfg, loss_faults(args), args.result_dir)
 
 
-def train_tiny_gpt(cfg: ConfigContainer, faults: Optional[LossFaults] = None, result_dir: Optional[str] = None) -> int:
-    """Pretrain the tiny GPT with `cfg`; the exit code (0, or a stop's code)."""
+def loss_faults(args: argparse.Namespace, kind: Type[LossFaults] = LossFaults) -> LossFaults:
+    """What the fault flags ask of this rank, as a `kind` (LossFaults or a subclass)."""
+    return kind(nan_at=_on_rank(args.nan_at) or -1, transient_nan_at=_on_rank(args.transient_nan_at) or -1,
+                spike_at=_on_rank(args.spike_at) or -1, raise_at=_on_rank(args.raise_at) or -1,
+                step_time=args.step_time, slowdown=_on_rank(args.slow_rank, float) or 1.0,
+                kill_at=_on_rank(args.kill_at) or -1, kill_marker=os.path.join(args.save, "killed"))
+
+
+def train_tiny_gpt(cfg: ConfigContainer, faults: Optional[LossFaults] = None, result_dir: Optional[str] = None,
+                   state: Optional[GlobalState] = None) -> int:
+    """Pretrain the tiny GPT with `cfg`; the exit code (0, or a stop's code). `state`: the
+    GlobalState to run on, e.g. one holding a straggler manager of your own (bridge_style.pretrain)."""
     faults = faults or LossFaults()
     models = []
 
     def model_provider():
         models.append(TinyGPT())
         return models[-1]
-    state = GlobalState(cfg)
+    state = state if state is not None else GlobalState(cfg)
     code = pretrain(cfg, functools.partial(forward_step, faults=faults), model_provider,
                     lambda start: Batches(start, 8), state=state)
     if result_dir:
@@ -237,14 +243,17 @@ def apply_overrides(cfg: ConfigContainer, overrides: List[str]) -> ConfigContain
 
 
 def write_result(directory: str, state: GlobalState, model: torch.nn.Module) -> None:
-    """How this rank's run ended: exit code, iteration, restart cycle, weights, straggler verdict."""
+    """How this rank's run ended: exit code, iteration, restart cycle, weights, straggler verdict
+    (the flagged ranks; on rank 0, which scores the report, every rank's relative score)."""
     rank = int(os.environ.get("RANK", 0))
     weights = b"".join(t.detach().cpu().numpy().tobytes() for t in model.state_dict().values())
     report = getattr(state.nvrx_straggler_manager, "last_report", None)
     result = {"rank": rank, "pid": os.getpid(), "exit_code": state.exit_code, "iteration": state.train_state.step,
               "cycle": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
               "weights": hashlib.sha256(weights).hexdigest(),
-              "stragglers": sorted(report.flagged_ranks) if report is not None else None}
+              "stragglers": sorted(report.flagged_ranks) if report is not None else None,
+              "relative_scores": ({str(r): s for r, s in sorted(report.relative.get("overall", {}).items())}
+                                  if report is not None else None)}
     os.makedirs(directory, exist_ok=True)
     atomic_write_json(os.path.join(directory, f"result{rank}.json"), result)
 
