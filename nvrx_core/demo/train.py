@@ -152,6 +152,8 @@ def main(argv=None) -> int:
         else:
             client.send_heartbeat()
         client.report_progress(step)
+        if rank == 0 and not client.is_active:  # under ft_launcher the client writes the step timeline
+            events.emit(ev.STEP_DONE, step=step)
         if rank == 0:
             if args.progress:
                 print(f"  cycle {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} step {step:3d}/{args.steps} "
