@@ -146,11 +146,11 @@ def main(argv=None) -> int:
             loss = torch.nn.functional.mse_loss(ddp(inputs), targets)
             optimizer.zero_grad()
             loss.backward()
-            with state.atomic():
+            with state.atomic():  # the step and its record are one: a restart lands before or after both
                 optimizer.step()
                 step += 1
                 committed["step"] = step
-            log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
             if rank == 0 and step % args.checkpoint_every == 0:
                 save_checkpoint(checkpoint, model, optimizer, step)
             time.sleep(max(0.0, args.step_time - (time.monotonic() - began)))

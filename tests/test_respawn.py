@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from harness.committed_steps import check_committed_steps
 from harness.launcher import run_launcher
 from nvrx_core.events import read_events
 from nvrx_core.report.build import build_report
@@ -55,12 +56,14 @@ def test_a_killed_rank_is_respawned_alone_and_the_run_ends_as_without_the_fault(
     [respawned] = [e for e in events if e["kind"] == "rank_respawned"]
     assert (respawned["rank"], respawned["exit_code"], respawned["incarnation"]) == (2, -9, 1)
     assert not [e for e in events if e["kind"] in ("restart_begun", "respawn_declined")]
+    check_committed_steps({rank: [s for s, _ in steps(tmp_path, rank)] for rank in range(4)}, STEPS)
     for rank in range(4):
         done = steps(tmp_path, rank)
-        assert [s for s, _ in done] == list(range(1, STEPS + 1))              # none redone, none skipped
-        pids = [p for _, p in done]
-        expected = [respawned["old_pid"]] * 20 + [respawned["new_pid"]] * 20 if rank == 2 else [pids[0]] * STEPS
-        assert pids == expected                                               # the others kept their process
+        if rank == 2:                                                         # killed after committing step 20
+            assert done == [(s, respawned["old_pid"]) for s in range(1, 21)] + \
+                [(s, respawned["new_pid"]) for s in range(21, STEPS + 1)]
+        else:
+            assert len({p for _, p in done}) == 1                             # the others kept their process
     text = build_report(str(tmp_path / "events.jsonl")).text()
     assert "respawns: 1" in text and f"rank 2 (pid {respawned['old_pid']}) died (exit -9)" in text
     assert "incidents: 0" in text
@@ -74,7 +77,7 @@ def test_a_second_death_during_the_recovery_is_one_more_respawn(tmp_path, fault_
     assert weights(tmp_path) == {fault_free}
     assert len([e for e in events if e["kind"] == "rank_respawned"]) == 2
     assert not [e for e in events if e["kind"] in ("restart_begun", "respawn_declined")]
-    assert all([s for s, _ in steps(tmp_path, rank)] == list(range(1, STEPS + 1)) for rank in range(4))
+    check_committed_steps({rank: [s for s, _ in steps(tmp_path, rank)] for rank in range(4)}, STEPS)
 
 
 def test_a_replacement_that_dies_at_once_falls_back_to_restarting_every_rank(tmp_path, fault_free):

@@ -5,7 +5,6 @@ Separate from launcher.py, which runs the job: this module turns argv into check
 FTConfig layers defaults < YAML < $NVRX_FT_CONFIG < flags, the agent's settings, the
 rendezvous choice and its options, $NVRX_PREEMPTED_EXIT_CODE) and starts nothing: a bad
 value is a ConfigError naming it, before any worker, monitor or store exists.
-launcher.py re-exports these names, so `nvrx_core.ft.launcher.build_parser` (...) still works.
 """
 
 import dataclasses
