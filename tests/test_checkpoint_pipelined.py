@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -39,7 +40,23 @@ def hidden(directory) -> list:
 
 
 def test_every_failed_save_is_reported_before_the_first_is_raised(tmp_path, monkeypatch):
-    """Two saves fail together: both get their event, the older one's error is raised."""
+    """Two saves fail together: both get their event, the older one's error is raised.
+
+    Each save's commit step waits until both saves are started: a save that failed before
+    the next save() would be raised by that save() (as it must), not by finalize().
+    """
+    both_started = threading.Event()
+    settle = AsyncCheckpointer._settle
+
+    def settle_once_both_started(self, pending, entries, error):
+        assert both_started.wait(120), "the test never started the second save"
+        return settle(self, pending, entries, error)
+
+    def disk_full_once_both_started(*args, **kwargs):
+        assert both_started.wait(120), "the test never started the second save"
+        disk_full()
+
+    monkeypatch.setattr(AsyncCheckpointer, "_settle", settle_once_both_started)
     events_file = str(tmp_path / "events.jsonl")
     config = CheckpointConfig(max_pending_saves=2)
     root = tmp_path / "steps"
@@ -48,16 +65,19 @@ def test_every_failed_save_is_reported_before_the_first_is_raised(tmp_path, monk
     root.write_text("not a directory")          # neither save can create its directory
     steps.save({"w": torch.ones(4)}, 1)
     steps.save({"w": torch.ones(4)}, 2)
+    both_started.set()
     with pytest.raises(CheckpointSaveError, match="checkpoint save of step 1 failed"):
         steps.finalize(blocking=True)
     assert steps.pending_steps == []
     steps.close()
     assert [(e["step"], e["generation"]) for e in events_of(events_file, CHECKPOINT_FAILED)] == [(1, 1), (2, 2)]
 
-    monkeypatch.setattr(path_checkpointer, "publish", disk_full)
+    both_started.clear()
+    monkeypatch.setattr(path_checkpointer, "publish", disk_full_once_both_started)
     paths = PathCheckpointer(config, events=EventLog(events_file))
     paths.save({"w": torch.ones(4)}, tmp_path / "a.ckpt")
     paths.save({"w": torch.ones(4)}, tmp_path / "b.ckpt")
+    both_started.set()
     with pytest.raises(CheckpointSaveError, match=r"a\.ckpt failed.*No space left"):
         paths.finalize(blocking=True)
     assert paths.pending_paths == []
