@@ -12,6 +12,7 @@ from nvrx_core.checkpoint import (CHECKPOINT_FAILED, CHECKPOINT_SKIPPED, AsyncCh
                                   CheckpointConfig, CheckpointCorruptError, CheckpointError,
                                   CheckpointNotFoundError, CheckpointSaveError, read_manifest,
                                   verify_checkpoint)
+from nvrx_core.checkpoint import pipeline
 from nvrx_core.checkpoint.staging import HostStager
 from nvrx_core.config import ConfigError
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog, read_events
@@ -193,15 +194,43 @@ def big_state(megabytes=64, value=1.0):
     return {f"t{i}": torch.full((1 << 18,), value) for i in range(megabytes)}
 
 
-def test_abort_stops_the_save_and_leaves_no_partial_directory(tmp_path):
+class CancelledMidWrite:
+    """A save's cancellation flag as its writer sees it: from the writer's second check on
+    (its first chunk is written), each check waits until abort() has cancelled the save."""
+
+    def __init__(self, cancel):
+        self.cancel, self.checks = cancel, 0
+
+    def is_set(self):
+        self.checks += 1
+        if self.checks > 1:
+            assert self.cancel.wait(120), "abort() never cancelled the save"
+        return self.cancel.is_set()
+
+
+def hold_writes_until_aborted(monkeypatch):
+    """Every save from now on is still being written when abort() comes: a fast worker
+    cannot have committed it first (abort() would then rightly return [])."""
+    real = pipeline.write_shard
+
+    def write_shard(staged, directory, rank, pool, threads, checksum, chunk_bytes, cancel, *rest):
+        return real(staged, directory, rank, pool, threads, checksum, chunk_bytes,
+                    CancelledMidWrite(cancel), *rest)
+
+    monkeypatch.setattr(pipeline, "write_shard", write_shard)
+
+
+def test_abort_stops_the_save_and_leaves_no_partial_directory(tmp_path, monkeypatch):
     config = CheckpointConfig(chunk_bytes=1 << 16, writer_threads=1)
     with AsyncCheckpointer(str(tmp_path), config, process_group=None) as ckpt:
         ckpt.save({"w": torch.ones(10)}, 1)
         ckpt.finalize(blocking=True)
+        hold_writes_until_aborted(monkeypatch)
         ckpt.save(big_state(), 2)
         assert ckpt.abort() == [2]
         assert leftovers(tmp_path) == [] and committed_dirs(tmp_path) == ["step_0000000001"]
         assert ckpt.finalize(blocking=True) == []
+        monkeypatch.undo()
         ckpt.save({"w": torch.full((10,), 3.0)}, 3)   # the checkpointer keeps working
         assert ckpt.finalize(blocking=True) == [3]
     assert leftovers(tmp_path) == []
