@@ -3,6 +3,7 @@ wait_staged() before it modifies the saved tensors. A loop that follows that con
 the same checkpoint as a blocking save; one that modifies a tensor too early gets a clear
 error, and that save is never committed. Real training steps, real files, real threads."""
 
+import concurrent.futures
 import copy
 import os
 import time
@@ -12,6 +13,7 @@ import torch
 
 from nvrx_core.checkpoint import (CHECKPOINT_FAILED, AsyncCheckpointer, CheckpointConfig,
                                   CheckpointSaveError, SnapshotModifiedError, read_manifest)
+from nvrx_core.checkpoint.staging import HostStager
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog, read_events
 
 OVERLAPPED = CheckpointConfig(staging="overlapped")
@@ -93,7 +95,18 @@ def test_following_the_contract_gives_a_checkpoint_bit_identical_to_a_blocking_s
 
 
 @pytest.mark.parametrize("reported_by", ["wait_staged", "finalize", "next_save"])
-def test_modifying_before_wait_staged_drops_the_save_with_a_clear_error(tmp_path, reported_by):
+def test_modifying_before_wait_staged_drops_the_save_with_a_clear_error(tmp_path, monkeypatch,
+                                                                       reported_by):
+    """finalize() confirms only the copies that have finished (it never waits for one): the
+    test waits for save 2's copy before calling it. wait_staged() and the next save wait."""
+    jobs = []
+    stage_async = HostStager.stage_async
+
+    def recording(self, state):
+        jobs.append(stage_async(self, state))
+        return jobs[-1]
+
+    monkeypatch.setattr(HostStager, "stage_async", recording)
     events_file = str(tmp_path / "events.jsonl")
     root = tmp_path / "ckpt"
     # fail_on_save_error=False does not hide it: it is a bug in the loop, not a disk fault
@@ -113,6 +126,8 @@ def test_modifying_before_wait_staged_drops_the_save_with_a_clear_error(tmp_path
         if reported_by == "wait_staged":
             ckpt.wait_staged()
         elif reported_by == "finalize":
+            done, _ = concurrent.futures.wait([jobs[-1].copied], timeout=120)
+            assert done, "the copy of save 2 never finished"
             ckpt.finalize()
         else:
             ckpt.save(trainer.state(), 3)
