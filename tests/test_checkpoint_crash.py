@@ -5,12 +5,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from nvrx_core.checkpoint import AsyncCheckpointer, CheckpointConfig
+from nvrx_core.checkpoint.direct_io import DataFile
 
 HERE = os.path.abspath(__file__)
 TENSORS, ELEMENTS = 64, 2 << 20          # 64 x 8 MiB = 512 MiB for the save that is killed
@@ -20,12 +22,28 @@ def first_state() -> dict:
     return {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
 
 
+def stall_data_writes_after(nbytes: int) -> None:
+    """From now on a data file's writer that has written `nbytes` stops there (a disk that
+    stopped answering): the save in flight cannot finish before the test's SIGKILL, however
+    late that comes (before: a fast writer could commit step 2 first; the test was void)."""
+    real = DataFile.write
+    stalled = threading.Event()          # never set: the test kills the process
+
+    def write(self, view):
+        real(self, view)
+        if self.size >= nbytes:
+            stalled.wait(600)
+
+    DataFile.write = write
+
+
 def child(root: str) -> None:
-    """Commit step 1, start a big save of step 2, then wait to be killed."""
+    """Commit step 1, start a big save of step 2 that stalls after 8 MiB, then wait to be killed."""
     config = CheckpointConfig(writer_threads=1, chunk_bytes=1 << 20)
     ckpt = AsyncCheckpointer(root, config, process_group=None)
     ckpt.save(first_state(), 1)
     ckpt.finalize(blocking=True)
+    stall_data_writes_after(8 << 20)
     ckpt.save({f"t{i}": torch.full((ELEMENTS,), float(i)) for i in range(TENSORS)}, 2)
     print("SAVING", flush=True)
     time.sleep(600)
