@@ -272,9 +272,27 @@ def scenario_backend_lets_go_late(args: dict, rank: int, world: int) -> dict:
 
 
 def scenario_exit_without_close(args: dict, rank: int, world: int) -> None:
-    """A save in flight when the process exits: no close(), no destroy_process_group()."""
-    from nvrx_core.checkpoint import AsyncCheckpointer
+    """A save in flight when the process exits: no close(), no destroy_process_group().
 
+    The save's commit step waits until the exit hook closes the checkpointer, so the save is
+    still in flight when the hook looks (before: a fast worker could commit it before the
+    main thread reached its exit, and the hook rightly had nothing to finish)."""
+    from nvrx_core.checkpoint import AsyncCheckpointer
+    from nvrx_core.checkpoint.pipelined import PipelinedSaves
+
+    closing = threading.Event()
+    close, settle = PipelinedSaves.close, AsyncCheckpointer._settle
+
+    def close_and_say_so(saves):
+        closing.set()
+        return close(saves)
+
+    def settle_once_closing(ckpt, pending, entries, error):
+        assert closing.wait(120), "the exit hook never closed the checkpointer"
+        return settle(ckpt, pending, entries, error)
+
+    PipelinedSaves.close = close_and_say_so
+    AsyncCheckpointer._settle = settle_once_closing    # before the checkpointer binds it
     ckpt = AsyncCheckpointer(os.path.join(args["base"], "global"))
     ckpt.save(rank_state(rank, 5) | {"big": torch.ones(8 << 20)}, 5)   # 32 MiB to write
     write_result(args, "exit_without_close", rank, {"saved": 5})
