@@ -20,6 +20,7 @@ from harness.stores import host_store
 HERE = os.path.abspath(__file__)
 TOTAL_STEPS = 150
 CHECK_EVERY = 5
+SIGNALLED_AT = 20       # run 1's rank 1 waits at this step for the test's SIGTERM
 
 
 # ---- the training job (rank side) --------------------------------------------------------
@@ -47,6 +48,10 @@ def train(ckpt_root: str, out: str) -> None:
     except CheckpointNotFoundError:
         pass
     report = {"resumed_from": start}
+    # Run 1's rank 1 waits at SIGNALLED_AT until the test's SIGTERM has arrived, so the job
+    # cannot finish before it however late the test sends it (before: a test thread stalled
+    # for about a second let the job end first and the test was void).
+    hold_at = int(os.environ.get("NVRX_TEST_WAIT_FOR_SIGTERM_AT", -1)) if rank == 1 else -1
     for step in range(start, TOTAL_STEPS):
         batch = torch.Generator().manual_seed(step * world + rank)
         x = torch.randn(16, 8, generator=batch)
@@ -56,6 +61,12 @@ def train(ckpt_root: str, out: str) -> None:
         optim.step()
         with open(os.path.join(out, f"progress.rank{rank}"), "w") as f:
             f.write(str(step))
+        if step == hold_at:
+            deadline = time.monotonic() + 120
+            while not handler.signaled and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not handler.signaled:
+                raise SystemExit(f"rank {rank}: the test never sent SIGTERM at step {step}")
         if handler.should_stop(step):
             ckpt.save({"model": model.module.state_dict(), "optim": optim.state_dict()}, step)
             open(os.path.join(out, f"saving.rank{rank}"), "w").close()
@@ -81,13 +92,13 @@ def _write_report(out: str, rank: int, report: dict) -> None:
 
 # ---- the test side -----------------------------------------------------------------------
 
-def start_job(ckpt_root: str, out: str, events: str) -> list:
+def start_job(ckpt_root: str, out: str, events: str, extra_env: dict = None) -> list:
     os.makedirs(out, exist_ok=True)
     store = host_store()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", OMP_NUM_THREADS="1",
-                   NVRX_TEST_STORE_PORT=str(store.port), NVRX_EVENTS_FILE=events)
+                   NVRX_TEST_STORE_PORT=str(store.port), NVRX_EVENTS_FILE=events, **(extra_env or {}))
         log = open(os.path.join(out, f"rank{rank}.log"), "w")
         procs.append(warm_python.popen([HERE, ckpt_root, out], env=env, stdout=log, stderr=warm_python.STDOUT))
         log.close()
@@ -136,8 +147,8 @@ def test_sigterm_commits_exits_18_and_resume_matches_an_uninterrupted_run(tmp_pa
                                       str(tmp_path / "ref_events.jsonl"))
     ckpt_root = str(tmp_path / "ckpt")
     run1 = str(tmp_path / "run1")
-    procs, _store = start_job(ckpt_root, run1, events)
-    wait_for(lambda: progress(run1, 1) >= 20, 120, "training to reach step 20", details=lambda: rank_log_tails(run1))
+    procs, _store = start_job(ckpt_root, run1, events, {"NVRX_TEST_WAIT_FOR_SIGTERM_AT": str(SIGNALLED_AT)})
+    wait_for(lambda: progress(run1, 1) >= SIGNALLED_AT, 120, f"training to reach step {SIGNALLED_AT}", details=lambda: rank_log_tails(run1))
     procs[1].send_signal(signal.SIGTERM)                 # only rank 1 is told
     wait_for(lambda: os.path.exists(os.path.join(run1, "saving.rank1")), 60, "the save", details=lambda: rank_log_tails(run1))
     procs[1].send_signal(signal.SIGTERM)                 # again, while the save is in flight
@@ -145,7 +156,7 @@ def test_sigterm_commits_exits_18_and_resume_matches_an_uninterrupted_run(tmp_pa
     assert finish_job(ref_procs, reference) == [0, 0]
     reports = [report(run1, r) for r in range(2)]
     stopped = reports[0]["stopped_at"]
-    assert reports[1]["stopped_at"] == stopped and stopped % CHECK_EVERY == 0 and stopped >= 20
+    assert reports[1]["stopped_at"] == stopped and stopped % CHECK_EVERY == 0 and stopped >= SIGNALLED_AT
     assert stopped < TOTAL_STEPS - 1, "the job finished before the signal; test is void"
     assert [r["signals"] for r in reports] == [0, 2]     # rank 0 learnt it from the collective
     assert [r["committed"] for r in reports] == [[stopped], [stopped]]
