@@ -35,7 +35,10 @@ from nvrx_lightning.preemption import NVRxPreemption  # noqa: E402
 
 JOB = os.path.join(SCRIPTS, "lightning_preempt_job.py")
 MAX_STEPS, CHECK_EVERY = 100, 4
-PACED = ("--pace-s", "0.03")  # a run to be signalled: >= 3 s of training; the others run unpaced
+SIGNALLED_AT = 6
+# A run to be signalled: rank 1 waits at step 6 until its SIGTERM has arrived (before: the
+# pacing alone, >= 3 s of training, which a test thread stalled as long outlasted).
+PACED = ("--pace-s", "0.03", "--wait-for-sigterm-at", str(SIGNALLED_AT))
 PREEMPTED = int(ExitCode.PREEMPTED)
 
 
@@ -75,7 +78,8 @@ def test_sigterm_to_rank_1_stops_every_rank_at_one_step_exits_18_and_resumes_to_
     uninterrupted = Job(reference)               # alongside run 1: both pay Lightning's import at once
     interrupted = Job(run1, *PACED)
     try:
-        wait_for(lambda: progress(run1, 1).get("step", -1) >= 6, 150, "run 1 training", details=interrupted.logs)
+        wait_for(lambda: progress(run1, 1).get("step", -1) >= SIGNALLED_AT, 150, "run 1 training",
+                 details=interrupted.logs)
         interrupted.procs[1].send_signal(signal.SIGTERM)   # only rank 1 is told
         codes = interrupted.finish()
         assert codes == [PREEMPTED, PREEMPTED], interrupted.logs()
@@ -87,7 +91,7 @@ def test_sigterm_to_rank_1_stops_every_rank_at_one_step_exits_18_and_resumes_to_
     stopped = results[0]["stopped_at"]
     assert [r["stopped_at"] for r in results] == [stopped, stopped]
     assert [r["global_step"] for r in results] == [stopped, stopped]
-    assert stopped % CHECK_EVERY == 0 and stopped >= 6
+    assert stopped % CHECK_EVERY == 0 and stopped >= SIGNALLED_AT
     assert stopped < MAX_STEPS, "the job finished before the signal arrived: the test is void"
     assert [r["exit"] for r in results] == [PREEMPTED, PREEMPTED]
     assert [r["signals"] for r in results] == [[], ["SIGTERM"]]     # rank 0 learnt it by agreement
@@ -118,7 +122,7 @@ def test_under_ft_launcher_sigterm_to_one_worker_makes_the_launcher_exit_18(tmp_
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     output = ""
     try:
-        wait_for(lambda: progress(out, 1).get("step", -1) >= 6, 150, "both workers training")
+        wait_for(lambda: progress(out, 1).get("step", -1) >= SIGNALLED_AT, 150, "both workers training")
         os.kill(progress(out, 1)["pid"], signal.SIGTERM)
         output, _ = launcher.communicate(timeout=150)
     finally:

@@ -55,17 +55,27 @@ class StepSeededNet(pl.LightningModule):
 
 
 class Progress(pl.Callback):
-    """Publishes this rank's pid and global step after every batch."""
+    """Publishes this rank's pid and global step after every batch. With `wait_at`, rank 1
+    (the rank the tests signal) then waits at that step until its SIGTERM has arrived, so the
+    run cannot end before the signal however late the test sends it."""
 
-    def __init__(self, out, rank):
+    def __init__(self, out, rank, wait_at=None, preemption=None):
         self.path = os.path.join(out, f"progress.rank{rank}")
         self.start_step = None
+        self.wait_at = wait_at if rank == 1 else None
+        self.preemption = preemption
 
     def on_train_start(self, trainer, pl_module):
         self.start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         atomic_write_json(self.path, {"pid": os.getpid(), "step": trainer.global_step, "start_step": self.start_step})
+        if trainer.global_step == self.wait_at:
+            deadline = time.monotonic() + 120
+            while not self.preemption.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not self.preemption.received:
+                raise SystemExit(f"rank 1: no SIGTERM came while it waited at step {self.wait_at}")
 
 
 def make_trainer(out, world, max_steps, callbacks):
@@ -84,11 +94,13 @@ def main():
     p.add_argument("--pace-s", type=float, default=0.03)
     p.add_argument("--ckpt-dir", default=None, help="the ModelCheckpoint's dirpath (default: OUT/ckpt)")
     p.add_argument("--resume", action="store_true", help='fit(ckpt_path="last")')
+    p.add_argument("--wait-for-sigterm-at", type=int, default=None,
+                   help="rank 1 waits at the end of this global step until it has received SIGTERM")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     preemption = NVRxPreemption(check_every_n_steps=args.check_every)
-    progress = Progress(args.out, rank)
+    progress = Progress(args.out, rank, args.wait_for_sigterm_at, preemption)
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir or os.path.join(args.out, "ckpt"),
                                                  save_top_k=0)
     trainer = make_trainer(args.out, world, args.max_steps, [preemption, progress, checkpoints])
