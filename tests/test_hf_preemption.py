@@ -42,7 +42,10 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 JOB = os.path.join(SCRIPTS, "hf_preempt_job.py")
 HF_PRELOAD = (*warm_python.TORCH, "transformers.trainer", "nvrx_hf")
 MAX_STEPS, CHECK_EVERY = 40, 4
-PACED = ("--pace-s", "0.1")  # the run to be signalled: >= 4 s of training; the others run unpaced
+SIGNALLED_AT = 6
+# The run to be signalled: rank 1 waits at step 6 until its SIGTERM has arrived (before: the
+# pacing alone, >= 4 s of training, which a test thread stalled as long outlasted).
+PACED = ("--pace-s", "0.1", "--wait-for-sigterm-at", str(SIGNALLED_AT))
 PREEMPTED = int(ExitCode.PREEMPTED)
 
 
@@ -98,7 +101,7 @@ def test_sigterm_to_rank_1_under_ft_launcher_stops_every_rank_at_one_step_exits_
             env=clean_env(), stdout=log, stderr=warm_python.STDOUT, start_new_session=True)
     try:
         progress = lambda: read_json(os.path.join(run1, "progress.rank1")) or {}  # noqa: E731
-        wait_or_fail(lambda: progress().get("step", -1) >= 6, 200, "both ranks training", lambda: tail(log_path))
+        wait_or_fail(lambda: progress().get("step", -1) >= SIGNALLED_AT, 200, "both ranks training", lambda: tail(log_path))
         os.kill(progress()["pid"], signal.SIGTERM)           # only rank 1 is told
         launcher.wait(timeout=150)
     except subprocess.TimeoutExpired:
@@ -113,7 +116,7 @@ def test_sigterm_to_rank_1_under_ft_launcher_stops_every_rank_at_one_step_exits_
     agreed = {e["rank"]: e["step"] for e in kinds(events, "preemption_agreed")}
     assert set(agreed) == {0, 1} and len(set(agreed.values())) == 1, agreed
     stopped = agreed[0]
-    assert stopped % CHECK_EVERY == 0 and 6 <= stopped < MAX_STEPS, stopped
+    assert stopped % CHECK_EVERY == 0 and SIGNALLED_AT <= stopped < MAX_STEPS, stopped
     # Written by each rank in its on_save, before the barrier that precedes any exit.
     saved = [read_json(os.path.join(run1, f"saved.rank{r}.json")) for r in range(2)]
     assert [s["step"] for s in saved] == [stopped, stopped], saved

@@ -11,6 +11,7 @@ weights). Checkpoints go where the Trainer puts them: --out/checkpoint-<step> (o
 import argparse
 import os
 import signal
+import time
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -35,6 +36,25 @@ class SavedRecord(TrainerCallback):
                                           "signals": [signal.Signals(n).name for n in self.preemption.received]})
 
 
+class WaitForSigterm(TrainerCallback):
+    """Rank 1 (the rank the test signals) waits at the end of global step `step`, after
+    Progress has published it, until its SIGTERM has arrived: the run cannot end before the
+    signal however late the test sends it."""
+
+    def __init__(self, rank, step, preemption):
+        self.step = step if rank == 1 else None
+        self.preemption = preemption
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step != self.step:
+            return
+        deadline = time.monotonic() + 120
+        while not self.preemption.received and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.preemption.received:
+            raise SystemExit(f"rank 1: no SIGTERM came while it waited at step {self.step}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -43,6 +63,8 @@ def main():
     p.add_argument("--check-every", type=int, default=4)
     p.add_argument("--pace-s", type=float, default=0.0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--wait-for-sigterm-at", type=int, default=None,
+                   help="rank 1 waits at the end of this global step until it has received SIGTERM")
     args = p.parse_args()
     torch.set_num_threads(1)
     rank, _ = rank_and_world()
@@ -51,7 +73,8 @@ def main():
     model = tiny_model()
     trainer = Trainer(model=model, args=training_args(args.output_dir or args.out, args.max_steps),
                       train_dataset=Tokens(),
-                      callbacks=[SavedRecord(args.out, rank, preemption), preemption, progress])
+                      callbacks=[SavedRecord(args.out, rank, preemption), preemption, progress,
+                                 WaitForSigterm(rank, args.wait_for_sigterm_at, preemption)])
     before = signal.getsignal(signal.SIGTERM)
     result = {"rank": rank}
     try:
