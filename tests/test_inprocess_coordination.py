@@ -184,13 +184,41 @@ def request_later(interrupter, delay=0.2):
     return timer
 
 
+_CLOCK_NANOSLEEP = {"x86_64": 230, "aarch64": 115}.get(os.uname().machine)   # time.sleep's syscall
+
+
+def _blocked_sleeping(tid: int) -> bool:
+    """Whether thread `tid` of this process is inside time.sleep's clock_nanosleep(2), as the
+    kernel says (on another architecture: inside any system call)."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            fields = f.read().split()
+    except OSError:
+        return False
+    if not fields or fields[0] in ("running", "-1"):
+        return False
+    return _CLOCK_NANOSLEEP is None or int(fields[0]) == _CLOCK_NANOSLEEP
+
+
 def test_armed_interruption_breaks_a_blocking_sleep(interrupter):
+    """The request comes once the main thread sleeps (before: on a 0.2 s timer, which a main
+    thread stalled as long let fire before the sleep, outside pytest.raises)."""
     interrupter.arm()
-    request_later(interrupter)
-    began = time.monotonic()
-    with pytest.raises(RestartRequested, match="test"):
-        time.sleep(10)
-    assert time.monotonic() - began < 5
+    main = threading.main_thread().native_id
+
+    def request_once_sleeping():
+        wait_for(lambda: _blocked_sleeping(main), timeout=120, what="the main thread inside time.sleep")
+        interrupter.request("test")
+
+    requester = threading.Thread(target=request_once_sleeping)
+    requester.start()
+    try:
+        began = time.monotonic()
+        with pytest.raises(RestartRequested, match="test"):
+            time.sleep(10)
+        assert time.monotonic() - began < 5
+    finally:
+        requester.join()
 
 
 def test_unarmed_interruption_is_dropped_not_deferred(interrupter):
