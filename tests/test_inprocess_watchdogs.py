@@ -153,8 +153,10 @@ HANDLED_BY_EXIT = 43
 """The exit status of a rank whose SIGTERM handler ran (a SIGKILLed one ends -9)."""
 
 
-def _rank_that_stops(events_file):
-    """A rank whose hard-timeout monitor runs, with a SIGTERM handler, that stops (SIGSTOP) at once."""
+def _rank_that_stops(events_file, monitor_pid_file):
+    """A rank whose hard-timeout monitor runs, with a SIGTERM handler, that stops (SIGSTOP) at once.
+    Its monitor is stopped too, right after its start, until the test has seen the rank stopped
+    and continues it (writes its pid to `monitor_pid_file` for that)."""
     os.environ[EVENTS_FILE_ENV] = events_file
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # as the Wrapper arms the stack dump
     signal.signal(signal.SIGTERM, lambda *a: os._exit(HANDLED_BY_EXIT))
@@ -163,6 +165,10 @@ def _rank_that_stops(events_file):
                                              stack_dump_signal=signal.SIGUSR2),
                              declare_terminated=lambda cause, detail: None)
     monitor.start()
+    os.kill(monitor.pid, signal.SIGSTOP)
+    with open(monitor_pid_file + ".tmp", "w") as f:
+        f.write(str(monitor.pid))
+    os.replace(monitor_pid_file + ".tmp", monitor_pid_file)
     os.kill(os.getpid(), signal.SIGSTOP)  # no progress reaches the monitor from here on
     time.sleep(600)
 
@@ -171,15 +177,23 @@ def _rank_that_stops(events_file):
 def test_the_hard_timeout_kill_continues_a_stopped_rank_so_its_termination_handler_runs(tmp_path):
     """The in-process monitor kills through nvrx_core.hang_kill: the dump is not waited for (a
     stopped rank writes nothing), SIGTERM goes with SIGCONT, and the rank's handler ends it long
-    before the 600 s grace would have brought SIGKILL (a bare SIGTERM left it stopped till then)."""
-    events_file = str(tmp_path / "events.jsonl")
-    rank = warm_python.forkserver_context().Process(target=_rank_that_stops, args=(events_file,))
+    before the 600 s grace would have brought SIGKILL (a bare SIGTERM left it stopped till then).
+
+    The monitor is held stopped until the test has seen the rank stopped (before: its 2 s hard
+    timeout ran on while the test polled, and a test thread stalled that long saw the rank
+    already killed)."""
+    events_file, monitor_pid_file = str(tmp_path / "events.jsonl"), str(tmp_path / "monitor.pid")
+    rank = warm_python.forkserver_context().Process(target=_rank_that_stops, args=(events_file, monitor_pid_file))
     rank.start()
+    monitor = None
     try:
         states = []
         wait_for(lambda: states.append(process_state(rank.pid)) or states[-1] in ("stopped", "zombie", None),
                  timeout=60, what="the rank stopped")
         assert states[-1] == "stopped", states  # it stopped before its hard timeout (2 s) ran out
+        with open(monitor_pid_file) as f:
+            monitor = int(f.read())
+        os.kill(monitor, signal.SIGCONT)      # its hard timeout may run out now
         rank.join(120)
         assert rank.exitcode == HANDLED_BY_EXIT
         killed = [e for e in read_events(events_file) if e["kind"] == RANK_KILLED]
@@ -188,3 +202,11 @@ def test_the_hard_timeout_kill_continues_a_stopped_rank_so_its_termination_handl
         if rank.is_alive():
             rank.kill()
             rank.join()
+        if monitor is None and os.path.exists(monitor_pid_file):
+            with open(monitor_pid_file) as f:
+                monitor = int(f.read())
+        if monitor is not None:
+            try:
+                os.kill(monitor, signal.SIGCONT)  # a monitor left stopped would never see its rank gone
+            except ProcessLookupError:
+                pass
