@@ -160,12 +160,18 @@ def test_unwritable_events_file_neither_stops_training_nor_hang_detection(tmp_pa
 
 
 def test_node_monitor_killed_mid_run_is_restarted_and_a_later_hang_is_still_caught(tmp_path, launcher):
-    events_file = str(tmp_path / "events.jsonl")
-    job = launcher(train(tmp_path, "--fault", "rank_hung:1:100", steps=160, step_time=0.05,
+    """The hang is requested (the job's --fault-file) only once the restarted monitor is seen
+    (before: a hang fixed at step 100, which a slow restart or a stalled test let come first)."""
+    events_file, fault_file = str(tmp_path / "events.jsonl"), str(tmp_path / "fault.json")
+    job = launcher(train(tmp_path, "--fault-file", fault_file, steps=160, step_time=0.05,
                          ft_flags=["--ft-rank-heartbeat-timeout", "4"]))
     wait_for(lambda: any(step >= 10 for _, step in steps(events_file)), timeout=120, what="training under way")
     [monitor] = monitor_pids(events_file)
     os.kill(monitor, signal.SIGKILL)
+    wait_for(lambda: kinds(read_events(events_file), "monitor_restarted"), timeout=60, what="the monitor restarted")
+    with open(fault_file + ".tmp", "w") as f:
+        f.write('{"id": 1, "rank": 1, "kind": "rank_hung"}')
+    os.replace(fault_file + ".tmp", fault_file)
     result = job.finish()
     assert result.returncode == 0, result.stdout[-6000:]
     events = read_events(events_file)
