@@ -62,7 +62,7 @@ def test_killed_failing_and_sigtermed_ranks_recover_to_the_fault_free_weights(tm
     check_recovered(root, result, events, results, flag, reference[1], restarts=3)
     assert {e["fault"] for e in kinds(events, "fault_injected")} == {"rank_killed", "rank_exception"}
     # nothing a rank started (its 2 DataLoader workers per cycle) outlived its cycle or the job
-    loaders = [tuple(p) for name in os.listdir(root) if name.startswith("loaders.")
+    loaders = [tuple(p) for name in os.listdir(root) if name.startswith("loaders.") and name.endswith(".json")
                for p in json.loads((root / name).read_text())]
     assert len(loaders) >= 2 * 2 * 4, loaders
     wait_for(lambda: not [p for p in loaders if alive(*p)], 30, "every DataLoader worker to be gone")

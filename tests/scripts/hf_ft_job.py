@@ -68,8 +68,12 @@ class ExtraFaults(TrainerCallback):
                           for kind, rank, step, cycle in self.faults if kind != "sigterm"]
 
     def on_step_end(self, args, state, control, **kwargs):
-        with open(os.path.join(self.root, f"loaders.rank{args.process_index}.cycle{CYCLE}.json"), "w") as f:
+        # written aside and renamed: the launcher may kill this rank mid-write (another rank's
+        # fault), and the test must never read a half-written list
+        path = os.path.join(self.root, f"loaders.rank{args.process_index}.cycle{CYCLE}.json")
+        with open(path + ".tmp", "w") as f:
             json.dump([[pid, started(pid)] for pid in sorted(descendants(os.getpid()))], f)
+        os.replace(path + ".tmp", path)
         for kind, rank, step, cycle in self.faults:
             if kind == "sigterm" and (rank, step, cycle) == (args.process_index, state.global_step, CYCLE):
                 os.kill(os.getpid(), signal.SIGTERM)
