@@ -8,14 +8,15 @@ import time
 import pytest
 import torch
 
-from nvrx_core.checkpoint import (CHECKPOINT_FAILED, CHECKPOINT_SKIPPED, AsyncCheckpointer,
-                                  CheckpointConfig, CheckpointCorruptError, CheckpointError,
+from nvrx_core.checkpoint import (CHECKPOINT_ABORTED, CHECKPOINT_FAILED, CHECKPOINT_SKIPPED,
+                                  AsyncCheckpointer, CheckpointConfig, CheckpointCorruptError, CheckpointError,
                                   CheckpointNotFoundError, CheckpointSaveError, read_manifest,
                                   verify_checkpoint)
 from nvrx_core.checkpoint import pipeline
 from nvrx_core.checkpoint.staging import HostStager
 from nvrx_core.config import ConfigError
 from nvrx_core.events import CHECKPOINT_COMMITTED, EventLog, read_events
+from harness import wait_for
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -236,11 +237,13 @@ def test_abort_stops_the_save_and_leaves_no_partial_directory(tmp_path, monkeypa
     assert leftovers(tmp_path) == []
 
 
-def test_a_stale_completion_never_commits_a_newer_save(tmp_path):
+def test_a_stale_completion_never_commits_a_newer_save(tmp_path, monkeypatch):
     config = CheckpointConfig(chunk_bytes=1 << 16, writer_threads=1)
     with AsyncCheckpointer(str(tmp_path), config, process_group=None) as ckpt:
+        hold_writes_until_aborted(monkeypatch)
         first = ckpt.save(big_state(value=1.0), 5)
         ckpt.abort(timeout=0)            # disowned: its completion will arrive later
+        monkeypatch.undo()
         second = ckpt.save(big_state(value=2.0), 5)
         assert second > first
         assert ckpt.finalize(blocking=True) == [5]
@@ -249,6 +252,21 @@ def test_a_stale_completion_never_commits_a_newer_save(tmp_path):
     assert read_manifest(str(tmp_path / "step_0000000005")).generation == second
     assert all(torch.equal(t, torch.full((1 << 18,), 2.0)) for t in loaded.values())
     assert leftovers(tmp_path) == []
+
+
+def test_abort_without_waiting_keeps_a_save_whose_result_has_arrived(tmp_path):
+    """abort(timeout=0) waits for nothing, but a save that is committed and whose result is
+    already back is not reported aborted (it was: the zero wait looked at no result)."""
+    events_file = str(tmp_path / "events.jsonl")
+    with AsyncCheckpointer(str(tmp_path / "ckpt"), process_group=None, events=EventLog(events_file)) as ckpt:
+        ckpt.save({"w": torch.ones(4)}, 5)
+        # the result queue is private: no public call shows a result arrived without collecting it
+        results = ckpt._saves.pipeline._results
+        wait_for(lambda: results.qsize() == 1, 120, "the save's result to reach the training thread")
+        assert ckpt.abort(timeout=0) == []
+        assert ckpt.stale_completions == 0
+        assert committed_dirs(tmp_path / "ckpt") == ["step_0000000005"]
+    assert [e for e in read_events(events_file) if e["kind"] == CHECKPOINT_ABORTED] == []
 
 
 def test_a_failed_background_save_raises_in_finalize(tmp_path):

@@ -179,7 +179,9 @@ class SavePipeline:
             self._attach(result)
 
     def wait(self, pending: PendingSave, timeout: Optional[float] = None) -> bool:
-        """Block until `pending` has a result; False if the timeout ran out first."""
+        """Block until `pending` has a result; False if the timeout ran out first. Results
+        that have already arrived are taken first, so even a zero timeout sees them."""
+        self.poll()
         deadline = None if timeout is None else self._clock() + timeout
         while pending.result is None:
             remaining = 1.0 if deadline is None else deadline - self._clock()
