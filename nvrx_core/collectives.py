@@ -70,7 +70,7 @@ _HEADER = struct.Struct("<Q")  # payload length in front of each padded buffer
 RELEASE_TIMEOUT_S = 10.0
 """How long wait_released waits for the backend to drop its references."""
 
-def wait_released(tensors: Sequence[torch.Tensor], timeout: float = RELEASE_TIMEOUT_S) -> None:
+def wait_released(tensors: Sequence[torch.Tensor], timeout: Optional[float] = None) -> None:
     """Return once torch.distributed holds no reference to any of `tensors`.
 
     Call it after the operations on them completed (wait() returned, the work objects
@@ -78,7 +78,9 @@ def wait_released(tensors: Sequence[torch.Tensor], timeout: float = RELEASE_TIME
     the tensors are freed on the caller's thread (see the module docstring). A tensor the
     backend still holds after `timeout` seconds is kept until the process exits instead
     (teardown.keep_until_exit; never seen with gloo: it takes a thread descheduled that long).
+    `timeout` None: RELEASE_TIMEOUT_S, read at the call.
     """
+    timeout = RELEASE_TIMEOUT_S if timeout is None else timeout
     deadline = time.monotonic() + timeout
     pause = 0.0
     while True:

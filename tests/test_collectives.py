@@ -212,3 +212,18 @@ def test_device_follows_the_backend(monkeypatch, backend, expected):
     assert str(group_device(object())) == expected
     assert str(group_device(None)) == "cpu"
     assert collectives.is_nccl(object()) == (expected != "cpu") == collectives.is_nccl(backend)
+
+
+def test_a_tensor_still_held_past_the_release_timeout_is_kept_until_exit(monkeypatch, caplog):
+    """wait_released's fallback, in one process: a view stands for the backend's reference
+    (it holds the tensor, as gloo's worker thread does). The timeout is read at the call."""
+    monkeypatch.setattr(collectives, "RELEASE_TIMEOUT_S", 0.05)
+    free, held = torch.zeros(4), torch.zeros(4)
+    backend_reference = held.view(-1)
+    gone = weakref.ref(held)
+    with caplog.at_level("WARNING", logger="nvrx.collectives"):
+        collectives.wait_released([free, held])
+    assert "still holds 1 tensor(s)" in caplog.text
+    del held, backend_reference
+    gc.collect()
+    assert gone() is not None          # kept until the process exits, not freed by the last holder
