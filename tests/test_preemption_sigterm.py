@@ -62,11 +62,7 @@ def train(ckpt_root: str, out: str) -> None:
         with open(os.path.join(out, f"progress.rank{rank}"), "w") as f:
             f.write(str(step))
         if step == hold_at:
-            deadline = time.monotonic() + 120
-            while not handler.signaled and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not handler.signaled:
-                raise SystemExit(f"rank {rank}: the test never sent SIGTERM at step {step}")
+            wait_for(lambda: handler.signaled, 120, f"the test's SIGTERM to rank {rank} at step {step}")
         if handler.should_stop(step):
             ckpt.save({"model": model.module.state_dict(), "optim": optim.state_dict()}, step)
             open(os.path.join(out, f"saving.rank{rank}"), "w").close()

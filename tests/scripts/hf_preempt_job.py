@@ -11,7 +11,7 @@ weights). Checkpoints go where the Trainer puts them: --out/checkpoint-<step> (o
 import argparse
 import os
 import signal
-import time
+import sys
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -19,6 +19,9 @@ from transformers import Trainer, TrainerCallback
 from hf_tiny import Progress, Tokens, rank_and_world, tiny_model, training_args
 from nvrx_core.durable import atomic_write_json
 from nvrx_hf import NVRxPreemption
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the harness
+from harness import wait_for  # noqa: E402
 
 
 class SavedRecord(TrainerCallback):
@@ -48,11 +51,7 @@ class WaitForSigterm(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step != self.step:
             return
-        deadline = time.monotonic() + 120
-        while not self.preemption.received and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.preemption.received:
-            raise SystemExit(f"rank 1: no SIGTERM came while it waited at step {self.step}")
+        wait_for(lambda: self.preemption.received, 120, f"the test's SIGTERM to rank 1 at step {self.step}")
 
 
 def main():

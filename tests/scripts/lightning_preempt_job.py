@@ -15,6 +15,7 @@ after a completed fit, final.rank<R>.pt (the weights).
 import argparse
 import os
 import signal
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -23,6 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from nvrx_core.durable import atomic_write_json
 from nvrx_lightning.preemption import NVRxPreemption
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for the harness
+from harness import wait_for  # noqa: E402
 
 
 class Indices(Dataset):
@@ -71,11 +75,7 @@ class Progress(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         atomic_write_json(self.path, {"pid": os.getpid(), "step": trainer.global_step, "start_step": self.start_step})
         if trainer.global_step == self.wait_at:
-            deadline = time.monotonic() + 120
-            while not self.preemption.received and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not self.preemption.received:
-                raise SystemExit(f"rank 1: no SIGTERM came while it waited at step {self.wait_at}")
+            wait_for(lambda: self.preemption.received, 120, f"the test's SIGTERM to rank 1 at step {self.wait_at}")
 
 
 def make_trainer(out, world, max_steps, callbacks):
