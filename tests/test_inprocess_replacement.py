@@ -37,10 +37,10 @@ def fault_free(tmp_path_factory):
 
 
 def check_rolled_forward(result, fault_free, killed_ranks):
-    """Equal weights; no step redone and every step committed (harness.committed_steps); only
+    """Equal weights; no process redid a step and every step was committed (harness.committed_steps); only
     the killed ranks changed process."""
     assert set(result.weights().values()) == {fault_free}, result.exits
-    check_committed_steps({rank: [s for s, _, _ in result.steps(rank)] for rank in range(4)}, int(STEPS))
+    check_committed_steps({rank: [(s, p) for s, _, p in result.steps(rank)] for rank in range(4)}, int(STEPS))
     for rank in range(4):
         pids = {p for _, _, p in result.steps(rank)}
         assert (len(pids) > 1) == (rank in killed_ranks), (rank, pids)
@@ -53,7 +53,7 @@ def test_a_killed_rank_is_replaced_alone_and_training_rolls_forward(tmp_path, fa
     assert result.respawns == 1
     [killed] = result.kill_times()
     old, new = [p for _, _, p in result.steps(2)[14:16]]
-    assert old != new                                       # step 15 by the old process, 16 by its replacement
+    assert old != new                     # step 15 by the old process, the next record by its replacement
 
 
 def test_two_ranks_killed_50ms_apart(tmp_path, fault_free):

@@ -8,7 +8,7 @@
 - `stores.host_store` / `store_process` / `stop`: the TCPStore a test holds.
 - `launcher.run_launcher` / `warm_popen` / `kill_tree`: ft_launcher as a real process.
 - `checkpoint_gate.PublishGate`: a PathCheckpointer save held just before it publishes.
-- `committed_steps.check_committed_steps`: the steps ranks committed after in-process roll-forwards (none redone, none lost).
+- `committed_steps.check_committed_steps`: the steps ranks committed after in-process roll-forwards (no process redoes one, none lost).
 
 Tests import it by plain name (`from harness import wait_for`): conftest puts tests/ on sys.path,
 and spawned rank scripts started from tests/ inherit that through PYTHONPATH where they need it.
